@@ -1,0 +1,27 @@
+"""`pearlctl`: the root Typer app. Each command group lives in its own module and registers here."""
+
+from __future__ import annotations
+
+import typer
+
+app = typer.Typer(
+    name="pearlctl",
+    help="pearl: a control plane for agentic RL rollout on GPU clusters.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+def _register() -> None:
+    # One line per command module; each module exposes `register(app)`.
+    from pearl.cli import sim
+
+    sim.register(app)
+
+
+_register()
+
+
+def main() -> None:
+    app()

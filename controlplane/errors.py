@@ -1,0 +1,34 @@
+"""pearl's exceptions. The docstring of each is its default message; the CLI maps them to exit codes."""
+
+from __future__ import annotations
+
+
+class PearlError(Exception):
+    """pearl failed."""
+
+    exit_code = 1
+
+    def __init__(self, message: str | None = None) -> None:
+        super().__init__(message or (self.__doc__ or "").strip())
+
+
+class BadInput(PearlError):
+    """Bad input."""
+
+    exit_code = 2
+
+
+class DatabaseUnavailable(PearlError):
+    """The database does not answer."""
+
+
+class StalePlan(PearlError):
+    """The plan was computed against a state that has moved on."""
+
+
+class IllegalTransition(PearlError):
+    """The transition is not allowed."""
+
+
+class StepFailed(PearlError):
+    """A plan step failed."""

@@ -1,0 +1,197 @@
+"""Scenario files (design.md, "Scenario"): validation, `--set` overrides, and preemptible traces.
+
+Errors name the key: `cluster.preemptible.notice_s: Input should be ...`, exit code 2 in the CLI.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pearl.controlplane.catalog import default_catalog
+from pearl.controlplane.errors import BadInput
+from pearl.controlplane.workload import Workload
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+SHIPPED_DIR = Path(__file__).parent  # scenarios/, traces/, inventories/ shipped with pearl
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Trace(_Strict):
+    """A public spot-trace: GPUs available per tick of `gap_seconds`; past the end the last value holds."""
+
+    gap_seconds: float = Field(gt=0)
+    data: tuple[int, ...] = Field(min_length=1)
+    source: str = ""
+
+    def gpus_at(self, t: float) -> int:
+        i = min(int(t // self.gap_seconds), len(self.data) - 1)
+        return self.data[max(i, 0)]
+
+    def mean(self, duration_s: float, cap: int) -> float:
+        ticks = max(1, math.ceil(duration_s / self.gap_seconds))
+        return sum(min(self.gpus_at(k * self.gap_seconds), cap) for k in range(ticks)) / ticks
+
+
+class Preemptible(_Strict):
+    trace: Path  # relative to the scenario file
+    max_gpus: int = Field(ge=0)
+    notice_s: float = Field(ge=0)
+
+
+class Cluster(_Strict):
+    training_gpus: int = Field(ge=0)
+    reserved_rollout_gpus: int = Field(ge=0)
+    preemptible: Preemptible | None = None
+
+
+class Training(_Strict):
+    step_s: float = Field(gt=0)  # one optimizer step on the training GPUs
+    staleness: int = Field(default=1, ge=0)
+    weight_sync_s: float = Field(default=0.0, ge=0)
+
+
+class Reconfig(_Strict):
+    cold_start_s: float = Field(ge=0)  # start a server (also colocated <-> split, which restarts)
+    admit_s: float = Field(ge=0)  # admit a ready group
+    role_switch_s: float = Field(ge=0)  # prefill <-> decode in place
+    toggle_on_s: float = Field(ge=0)  # borrow a training GPU's worker
+    toggle_off_s: float = Field(ge=0)  # return it
+
+
+class Scenario(_Strict):
+    name: str
+    model: str
+    gpu: str
+    tp: int = Field(gt=0)
+    cluster: Cluster
+    workload: Workload
+    training: Training
+    reconfig: Reconfig
+    duration_s: float = Field(gt=0)
+    seed: int = 0
+    # resolved on load, not part of the file
+    source: Path | None = Field(default=None, exclude=True)
+    trace_data: Trace | None = Field(default=None, exclude=True)
+
+    @model_validator(mode="after")
+    def _whole_workers(self) -> Scenario:
+        for key, n in (("cluster.training_gpus", self.cluster.training_gpus),
+                       ("cluster.reserved_rollout_gpus", self.cluster.reserved_rollout_gpus)):
+            if n % self.tp:
+                raise ValueError(f"{key} ({n}) must be a multiple of tp ({self.tp})")
+        return self
+
+    @property
+    def max_preemptible_gpus(self) -> int:
+        return self.cluster.preemptible.max_gpus if self.cluster.preemptible else 0
+
+    def preemptible_gpus_at(self, t: float) -> int:
+        """Usable preemptible GPUs at time t: min(trace, max_gpus), floored to whole workers."""
+        if self.cluster.preemptible is None or self.trace_data is None:
+            return 0
+        n = min(self.trace_data.gpus_at(t), self.cluster.preemptible.max_gpus)
+        return n - n % self.tp
+
+    def mean_preemptible_gpus(self) -> float:
+        if self.cluster.preemptible is None or self.trace_data is None:
+            return 0.0
+        ticks = max(1, math.ceil(self.duration_s / self.trace_data.gap_seconds))
+        gap = self.trace_data.gap_seconds
+        return sum(self.preemptible_gpus_at(k * gap) for k in range(ticks)) / ticks
+
+
+def _format_error(exc: ValidationError, prefix: str = "") -> str:
+    lines = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"])
+        lines.append(f"{prefix}{loc}: {err['msg']}" if loc else f"{prefix}{err['msg']}")
+    return "; ".join(lines)
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """`key.path=value` pairs on top of a raw scenario; the value is parsed as YAML."""
+    for item in overrides:
+        if "=" not in item:
+            raise BadInput(f"--set {item!r}: expected key.path=value")
+        path, _, text = item.partition("=")
+        keys = [k for k in path.strip().split(".") if k]
+        if not keys:
+            raise BadInput(f"--set {item!r}: empty key")
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise BadInput(f"--set {path}: cannot parse value {text!r}: {exc}") from None
+        node = raw
+        for i, key in enumerate(keys[:-1]):
+            child = node.get(key)
+            if child is None:
+                child = node[key] = {}
+            if not isinstance(child, dict):
+                raise BadInput(f"--set {path}: {'.'.join(keys[: i + 1])} is not a mapping")
+            node = child
+        node[keys[-1]] = value
+    return raw
+
+
+def load_trace(path: Path) -> Trace:
+    try:
+        raw = json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise BadInput(f"cluster.preemptible.trace: cannot read {path}: {exc.strerror}") from None
+    except json.JSONDecodeError as exc:
+        raise BadInput(f"cluster.preemptible.trace: {path} is not JSON: {exc}") from None
+    if not isinstance(raw, dict) or not isinstance(raw.get("metadata"), dict):
+        raise BadInput(f"cluster.preemptible.trace: {path}: missing metadata")
+    meta = raw["metadata"]
+    try:
+        return Trace(gap_seconds=meta.get("gap_seconds"), data=raw.get("data"), source=str(meta.get("source", "")))
+    except ValidationError as exc:
+        raise BadInput(_format_error(exc, f"cluster.preemptible.trace ({path}): ").replace("gap_seconds",
+                       "metadata.gap_seconds")) from None
+
+
+def parse_scenario(raw: Any, source: Path | None = None, overrides: list[str] | None = None) -> Scenario:
+    if not isinstance(raw, dict):
+        raise BadInput(f"{source or 'scenario'}: a scenario is a mapping of keys")
+    raw = apply_overrides(raw, overrides or [])
+    try:
+        scenario = Scenario.model_validate(raw)
+    except ValidationError as exc:
+        raise BadInput(_format_error(exc)) from None
+    catalog = default_catalog()
+    catalog.model(scenario.model)
+    catalog.gpu(scenario.gpu)
+    trace = None
+    if scenario.cluster.preemptible is not None:
+        path = scenario.cluster.preemptible.trace
+        if not path.is_absolute():
+            path = (source.parent if source else Path.cwd()) / path
+        trace = load_trace(path)
+    return scenario.model_copy(update={"source": source, "trace_data": trace})
+
+
+def load_scenario(path: str | Path, overrides: list[str] | None = None) -> Scenario:
+    """Read, override and validate a scenario; a bare name finds a shipped scenario."""
+    p = Path(path)
+    if not p.exists() and (SHIPPED_DIR / "scenarios" / f"{p.name}.yaml").exists() and p.suffix == "":
+        p = SHIPPED_DIR / "scenarios" / f"{p.name}.yaml"
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise BadInput(f"--scenario: cannot read {path}: {exc.strerror}") from None
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise BadInput(f"--scenario: {path} is not valid YAML: {exc}") from None
+    return parse_scenario(raw, p.resolve(), overrides)
+
+
+def shipped_scenarios() -> list[Path]:
+    return sorted((SHIPPED_DIR / "scenarios").glob("*.yaml"))
