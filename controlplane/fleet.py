@@ -64,30 +64,23 @@ class FleetSnapshot:
 
 @dataclass(frozen=True)
 class Target:
-    """What the fleet should look like: the active members and the role of each.
+    """What the fleet should look like: which workers are active and how many serve in each role.
 
     Only two shapes exist (method.md): every member colocated, or every member prefill or decode
-    with at least one of each.
+    with at least one of each. Which member takes which role is the orchestrator's choice (the one
+    with the fewest changes), unless `pinned` fixes some.
     """
 
-    roles: Mapping[int, Role]  # worker id -> role, for every worker that should be active
+    members: frozenset[int]  # worker ids that should be active
+    counts: Mapping[Role, int]  # active workers per role; sums to len(members)
+    pinned: Mapping[int, Role] = field(default_factory=dict)  # roles the policy fixes for some members
     reason: str = ""  # why (shown by `pearlctl plan --explain`, stored with the decision)
 
     @property
-    def members(self) -> frozenset[int]:
-        return frozenset(self.roles)
-
-    def counts(self) -> dict[Role, int]:
-        out: dict[Role, int] = {}
-        for role in self.roles.values():
-            out[role] = out.get(role, 0) + 1
-        return out
-
-    @property
     def mode(self) -> Mode | None:
-        if not self.roles:
+        if not self.members:
             return None
-        return Mode.COLOCATED if Role.COLOCATED in self.roles.values() else Mode.SPLIT
+        return Mode.COLOCATED if self.counts.get(Role.COLOCATED, 0) else Mode.SPLIT
 
 
 @dataclass(frozen=True)
@@ -111,6 +104,7 @@ class Plan:
     add: frozenset[int]  # W_add: workers to start
     remove: frozenset[int]  # W_remove: workers to stop
     reassign: Mapping[int, Role]  # rho: survivors whose role changes
+    roles: Mapping[int, Role]  # the resolved role of every target member
     steps: tuple[PlanStep, ...]
     target: Target
 
