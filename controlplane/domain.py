@@ -90,3 +90,18 @@ class StepAction(StrEnum):
 class Mode(StrEnum):
     COLOCATED = "colocated"
     SPLIT = "split"
+
+
+class LeaseKind(StrEnum):
+    """Why a GPU is ours only for a while."""
+
+    BORROWED = "borrowed"  # a training GPU lent to rollout between optimizer steps
+    PREEMPTIBLE = "preemptible"  # a spot GPU granted until revoked
+
+
+class Provenance(StrEnum):
+    """Where a performance profile's parameters come from."""
+
+    CATALOG = "catalog"  # published figures (calibration.md)
+    MEASURED = "measured"  # measured on the device
+    FITTED = "fitted"  # fitted from rollout telemetry
