@@ -18,6 +18,12 @@ def _register() -> None:
     from pearl.cli import sim
 
     sim.register(app)
+    from pearl.cli import cluster, db, init, status
+
+    db.register(app)
+    init.register(app)
+    cluster.register(app)
+    status.register(app)
 
 
 _register()

@@ -77,12 +77,15 @@ def check_connection(engine: Engine) -> None:
 
 
 @contextlib.contextmanager
-def transaction(engine: Engine, actor: str | None = None, reason: str | None = None) -> Iterator[Session]:
+def transaction(engine: Engine, actor: str | None = None, reason: str | None = None, *,
+                isolation_level: str | None = None) -> Iterator[Session]:
     """A session in one transaction: committed on success, rolled back on error, errors translated.
 
-    `actor` and `reason` go to every event the transaction writes (`SET LOCAL pearl.actor`).
+    `actor` and `reason` go to every event the transaction writes (`SET LOCAL pearl.actor`);
+    `isolation_level="REPEATABLE READ"` gives reads one consistent snapshot.
     """
-    session = Session(engine, expire_on_commit=False)
+    bind = engine.execution_options(isolation_level=isolation_level) if isolation_level else engine
+    session = Session(bind, expire_on_commit=False)
     try:
         with session.begin():
             set_actor(session, actor, reason)

