@@ -1,0 +1,71 @@
+"""The policy interface: pure, stateless objects with an explicit memory.
+
+`decide(snapshot, signals, memory) -> (Target, memory)`. Everything a policy may use is in its
+arguments: the fleet (`FleetSnapshot`), what a live system can know at that instant (`Signals`), and
+what the policy remembered from its earlier calls (a frozen dataclass it defines, so that the live
+loop can store it in a database row between calls). No I/O, no clock, no randomness: the simulator
+and the live loop call the same functions, and a call is a pure function of its arguments.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from pearl.controlplane.domain import Role
+from pearl.controlplane.fleet import FleetSnapshot, Target
+from pearl.controlplane.telemetry import StepTelemetry
+
+
+@dataclass(frozen=True)
+class Signals:
+    """What a live control plane knows when the policy runs (never the future of the trace)."""
+
+    now: float  # seconds since the run began
+    event: str  # what triggered the call: start, rollout_begin, rollout_end, training_wanted,
+    # training_begin, training_end, grant, notice, plan_done, plan_failed, forced_release (comma-joined)
+    rollout_step: int  # the batch being rolled out (-1 before the first)
+    batch_size: int  # B: trajectories per rollout step
+    remaining: int  # R: trajectories of the batch in flight not finished yet
+    training: bool  # an optimizer step occupies the training GPUs
+    training_wanted: bool  # the trainer waits for borrowed GPUs: return them now
+    deadlines: Mapping[int, float] = field(default_factory=dict)  # worker -> release-by time (notices)
+    telemetry: StepTelemetry | None = None  # of the last finished rollout step
+    toggle_costs: tuple[float, ...] = ()  # measured activation + return seconds of recent borrow cycles
+    weights_version: int = 0
+    plans_in_flight: int = 0  # plans being enacted
+    last_training_s: float | None = None  # how long the last optimizer step took
+
+    @property
+    def remaining_fraction(self) -> float:
+        """R/B of the borrowing gate (method.md)."""
+        return self.remaining / self.batch_size if self.batch_size else 0.0
+
+
+class Policy(Protocol):
+    """A decision rule. Implementations are stateless; their memory travels in and out of `decide`."""
+
+    name: str
+
+    def initial_memory(self) -> Any: ...
+
+    def decide(self, snapshot: FleetSnapshot, signals: Signals, memory: Any) -> tuple[Target, Any]: ...
+
+
+@dataclass(frozen=True)
+class NoMemory:
+    """The memory of a policy that remembers nothing."""
+
+
+def colocated(members: Iterable[int], reason: str) -> Target:
+    """Every member serves prefill and decode on one server."""
+    ids = frozenset(members)
+    return Target(members=ids, counts={Role.COLOCATED: len(ids)} if ids else {}, reason=reason)
+
+
+def split(members: Iterable[int], prefill: int, reason: str, pinned: Mapping[int, Role] | None = None) -> Target:
+    """`prefill` members serve prefill, the others decode."""
+    ids = frozenset(members)
+    return Target(members=ids, counts={Role.PREFILL: prefill, Role.DECODE: len(ids) - prefill},
+                  pinned=dict(pinned or {}), reason=reason)

@@ -1,0 +1,74 @@
+"""What a run reports: the metric of method.md, the costs, and timelines for the plots.
+
+tokens_per_s: over the training steps completed within `duration_s`, each trained batch's generated
+tokens plus all its tokens (prompt, observations, generated), divided by `duration_s`. Each token
+counts once: re-prefills after a cache miss or an interruption are work, not tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+BIN_S = 60.0  # width of the throughput timeline's bins
+
+
+@dataclass
+class Timeline:
+    """Samples for `--plot`: generated tokens per bin, GPUs by zone/role, the preemptible trace."""
+
+    duration_s: float
+    generated_bins: list[int] = field(default_factory=list)
+    fleet_samples: list[tuple[float, dict[str, int]]] = field(default_factory=list)
+    availability: list[tuple[float, int]] = field(default_factory=list)
+    training_ends: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.generated_bins = [0] * max(1, math.ceil(self.duration_s / BIN_S))
+
+    def generated(self, t: float, tokens: int) -> None:
+        self.generated_bins[min(int(t // BIN_S), len(self.generated_bins) - 1)] += tokens
+
+    def fleet(self, t: float, counts: dict[str, int]) -> None:
+        if self.fleet_samples and self.fleet_samples[-1][1] == counts:
+            return
+        self.fleet_samples.append((t, counts))
+
+    def available(self, t: float, gpus: int) -> None:
+        self.availability.append((t, gpus))
+
+    def trained(self, t: float) -> None:
+        self.training_ends.append(t)
+
+
+@dataclass
+class Result:
+    scenario: str
+    policy: str
+    tokens_per_s: float  # the metric (method.md)
+    rollout_steps: int  # rollout batches completed within the run
+    training_steps: int  # training steps completed within the run (the ones the metric counts)
+    gpu_seconds: float  # GPU-seconds held by rollout workers, dedicated and borrowed
+    reconfigurations: int  # worker changes enacted: sum of D_worker + D_role over plans
+    plans: int
+    late_returns: int  # training steps delayed by borrowed GPUs coming back late
+    lateness_s: float
+    forced_releases: int  # preempted workers still there at their deadline
+    cancelled_groups: int  # expansion groups cancelled (all-or-nothing)
+    interrupted_requests: int  # turns interrupted and resubmitted with their partial progress
+    mean_step_makespan_s: float
+    events: int
+    wall_s: float
+    timeline: Timeline | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """The `--json` keys (design.md) and the extra ones; the timeline is for plots only."""
+        out: dict[str, Any] = {}
+        for key, value in self.__dict__.items():
+            if key == "timeline":
+                continue
+            out[key] = round(value, 3) if isinstance(value, float) and math.isfinite(value) else value
+            if isinstance(value, float) and not math.isfinite(value):
+                out[key] = None
+        return out

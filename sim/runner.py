@@ -1,0 +1,479 @@
+"""The discrete-event loop: engines, router, trainer, preemptible trace, executor and the policy.
+
+Every system runs here the same way: the policy sees a snapshot and the signals a live system has
+(never the future of the trace), returns a Target, `orchestrate` turns it into a Plan, and the
+executor enacts it at the scenario's reconfiguration costs. The fleet the policy first asks for is
+in place at t=0 (a run joins training under way), for every system alike.
+
+Events are (time, seq, kind, a, b) on one heap; seq makes the order total, so a run is a pure
+function of (scenario, policy). Engines advance in closed form between events (engine.py).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from collections.abc import Callable
+
+from pearl.controlplane.catalog import default_catalog
+from pearl.controlplane.domain import Activity, Role, WorkerZone
+from pearl.controlplane.orchestrator import orchestrate
+from pearl.controlplane.perfmodel import PerfModel
+from pearl.controlplane.telemetry import IterationRecord, StepTelemetry
+from pearl.policies.base import Policy, Signals
+
+from .availability import Change, availability_changes
+from .cluster import Cluster, Worker
+from .engine import TRANSFERRING, Engine, EngineTiming, Request
+from .executor import Executor, PlanRun, StepRun
+from .metrics import Result, Timeline
+from .router import Router
+from .scenario import Scenario
+from .trainer import Trainer
+from .trajectories import Trajectory, sample_batch
+
+EV_WAKE, EV_ENV, EV_KV, EV_STEP, EV_TRAIN_END, EV_TRACE, EV_DEADLINE, EV_DECIDE = range(8)
+ITERATIONS_PER_TELEMETRY = 64  # engine iteration records sampled into each step's telemetry
+TOGGLE_HISTORY = 8  # borrow cycles whose measured cost the policy sees
+
+
+class Simulation:
+    """One run of one policy on one scenario."""
+
+    def __init__(self, scenario: Scenario, policy: Policy, progress: Callable[[float], None] | None = None) -> None:
+        self.sc = scenario
+        self.policy = policy
+        self.memory = policy.initial_memory()
+        self.progress = progress
+        catalog = default_catalog()
+        self.perf = PerfModel(catalog.model(scenario.model), catalog.gpu(scenario.gpu), scenario.tp)
+        self.timing = EngineTiming(self.perf)
+        self.cluster = Cluster(scenario)
+        self.workers = {w.id: w for w in self.cluster.workers}
+        self.router = Router()
+        self.trainer = Trainer(scenario.training)
+        self.executor = Executor(scenario.reconfig, scenario.training.weight_sync_s, self, self.workers)
+        self.heap: list[tuple] = []
+        self.seq = 0
+        self.now = 0.0
+        self.version = 0
+        self.sink: list[tuple] = []
+        self.nic_free: dict[Engine, float] = {}
+        self.decide_pending: list[str] = []
+        self.batch: list[Trajectory] = []
+        self.remaining = 0
+        self.telemetry: StepTelemetry | None = None
+        self.batch_tokens: dict[int, int] = {}
+        self.step_begin = 0.0
+        self.makespans: list[float] = []
+        self.borrow: dict[int, list[float]] = {}  # overlap worker -> [bound, admitted, return began]
+        self.toggle_costs: list[float] = []
+        # metric accumulators
+        self.tokens_trained = 0
+        self.gpu_seconds = 0.0
+        self.gpus = 0
+        self.gpus_since = 0.0
+        self.reconfigurations = 0
+        self.plans = 0
+        self.forced_releases = 0
+        self.interrupted = 0
+        self.turn_tokens = 0  # tokens of finished turns
+        self.retired_decode_tokens = 0  # decoded by engines that no longer exist
+        self.live = self.env_waiting = 0
+        self.live_area = self.decoding_area = 0.0
+        self.live_since = 0.0
+        self.timeline = Timeline(scenario.duration_s)
+
+    # -- the loop --------------------------------------------------------------------------------
+
+    def push(self, t: float, kind: int, a: object = None, b: object = None) -> None:
+        self.seq += 1
+        heapq.heappush(self.heap, (t, self.seq, kind, a, b))
+
+    def run(self) -> Result:
+        wall = time.perf_counter()
+        changes = availability_changes(self.sc)
+        if changes and changes[0].t == 0:
+            self._trace(changes.pop(0), initial=True)
+        for change in changes:
+            self.push(change.t, EV_TRACE, change)
+        self._install()
+        self._try_rollout()
+        end = self.sc.duration_s
+        heap, events, next_report = self.heap, 0, 0.0
+        while heap:
+            t, _, kind, a, b = heapq.heappop(heap)
+            if t > end:
+                break
+            self.now = t
+            events += 1
+            if kind == EV_WAKE:
+                if a.epoch == b and a.busy_until == t:
+                    self._outcomes(a, a.wake(t))
+            elif kind == EV_ENV:
+                self._resume(a)
+            elif kind == EV_KV:
+                self._kv_arrived(a)
+            elif kind == EV_STEP:
+                self.executor.completed(a, t)
+            elif kind == EV_TRAIN_END:
+                self._training_end()
+            elif kind == EV_TRACE:
+                self._trace(a)
+            elif kind == EV_DEADLINE:
+                self._deadline(a, b)
+            elif kind == EV_DECIDE:
+                self._decide()
+            if self.progress is not None and t >= next_report:
+                self.progress(t)
+                next_report = t + 60.0
+        self.now = end
+        self._count_gpus(0)
+        return self._result(events, time.perf_counter() - wall)
+
+    # -- policy ----------------------------------------------------------------------------------
+
+    def _signals(self, event: str) -> Signals:
+        tr = self.trainer
+        return Signals(
+            now=self.now, event=event, rollout_step=tr.rollout_step, batch_size=self.sc.workload.batch_size,
+            remaining=self.remaining, training=tr.training, training_wanted=tr.wanted_since is not None,
+            deadlines={w.id: w.deadline for w in self.cluster.workers if w.deadline is not None},
+            telemetry=self.telemetry, toggle_costs=tuple(self.toggle_costs[-TOGGLE_HISTORY:]),
+            weights_version=tr.trained, plans_in_flight=len(self.executor.plans),
+            last_training_s=(tr.step_times[-1][1] - tr.step_times[-1][0]) if tr.step_times else None,
+        )
+
+    def _overlap_free(self) -> bool:
+        return not self.trainer.training and self.trainer.wanted_since is None
+
+    def _snapshot(self):
+        return self.cluster.snapshot(self.version, self._overlap_free())
+
+    def request_decision(self, event: str) -> None:
+        if not self.decide_pending:
+            self.push(self.now, EV_DECIDE)
+        self.decide_pending.append(event)
+
+    def _decide(self) -> None:
+        event = ",".join(dict.fromkeys(self.decide_pending))
+        self.decide_pending = []
+        snapshot = self._snapshot()
+        target, self.memory = self.policy.decide(snapshot, self._signals(event), self.memory)
+        plan = orchestrate(snapshot, target)
+        if plan.empty:
+            return
+        self.version += 1
+        self.plans += 1
+        self.reconfigurations += plan.d_worker + plan.d_role
+        self.executor.apply(plan, self.now)
+        self._sample_fleet()
+
+    def _install(self) -> None:
+        """The fleet of the policy's first decision, in place at t=0 at no cost."""
+        snapshot = self._snapshot()
+        target, self.memory = self.policy.decide(snapshot, self._signals("start"), self.memory)
+        plan = orchestrate(snapshot, target)
+        for wid, role in sorted(plan.roles.items()):
+            w = self.workers[wid]
+            w.role = role
+            if w.zone is WorkerZone.OVERLAP:
+                w.process_role = role
+            self.bound(w, 0.0)
+            self.started(w, role, 0.0)
+            self.loaded(w, 0.0)
+            w.activity = Activity.ACTIVE
+            self.router.admit(w.engine)
+        self.version += 1
+        self._sample_fleet()
+
+    # -- the executor's actuator -----------------------------------------------------------------
+
+    def schedule(self, t: float, run: StepRun) -> None:
+        self.push(t, EV_STEP, run)
+
+    def drain(self, w: Worker, now: float) -> None:
+        self.router.remove(w.id)
+        if w.id in self.borrow and w.removing:
+            self.borrow[w.id][2] = now
+
+    def interrupt(self, w: Worker, now: float) -> None:
+        if w.engine is not None:
+            self._abort(w.engine)
+
+    def stop(self, w: Worker, now: float) -> None:
+        if w.engine is not None:
+            self.router.remove(w.id)
+            self._abort(w.engine)
+            self.nic_free.pop(w.engine, None)
+            self.retired_decode_tokens += w.engine.decode_tokens
+            w.engine = None
+        self._sample_fleet()
+
+    def bound(self, w: Worker, now: float) -> None:
+        w.holds_gpus = True
+        self._count_gpus(len(w.gpus))
+        if w.zone is WorkerZone.OVERLAP:
+            self.borrow[w.id] = [now, math.nan, math.nan]
+
+    def freed(self, w: Worker, now: float) -> None:
+        w.holds_gpus = False
+        self._count_gpus(-len(w.gpus))
+        if w.zone is WorkerZone.OVERLAP:
+            bound, admitted, returning = self.borrow.pop(w.id, (math.nan,) * 3)
+            cost = (admitted - bound) + (now - returning)
+            if bound > 0 and math.isfinite(cost):  # a full cycle, measured (the t=0 fleet cost nothing)
+                self.toggle_costs.append(cost)
+            self._try_train()
+        self._sample_fleet()
+
+    def started(self, w: Worker, role: Role, now: float) -> None:
+        capacity = self.perf.kv_capacity_tokens
+        w.engine = Engine(w.id, role, self.timing, capacity, self.sink)
+
+    def loaded(self, w: Worker, now: float) -> None:
+        w.weights_version = self.trainer.trained
+
+    def admitted(self, w: Worker, now: float) -> None:
+        if w.engine is None:
+            return
+        self.router.admit(w.engine)
+        if w.id in self.borrow:
+            self.borrow[w.id][1] = now
+        self._sample_fleet()
+        if self.router.pending and self.router.can_serve():
+            pending, self.router.pending = self.router.pending, []
+            for traj in pending:
+                self._dispatch(traj)
+
+    def plan_finished(self, plan: PlanRun, now: float) -> None:
+        self.request_decision("plan_failed" if plan.failed else "plan_done")
+
+    # -- trajectories ----------------------------------------------------------------------------
+
+    def _dispatch(self, traj: Trajectory) -> None:
+        """Send the current turn (or what is left of it) to a worker."""
+        router = self.router
+        if not router.can_serve():
+            router.pending.append(traj)
+            return
+        self.seq += 1
+        req = Request(traj, self.seq)
+        engine = router.front(traj)
+        self._outcomes(engine, engine.submit(req, self.now))
+
+    def _outcomes(self, engine: Engine, out: list) -> None:
+        for what, req in out:
+            if what == "done":
+                self._turn_done(req.traj, engine)
+            elif what == "prefilled":
+                self._to_decode(req)
+            else:  # reserved on a decode worker: move the KV over the prefill worker's NIC
+                pe = req.prefill_engine
+                start = max(self.now, self.nic_free.get(pe, 0.0))
+                end = start + self.perf.kv_transfer_time(req.context)
+                self.nic_free[pe] = end
+                self.push(end, EV_KV, req)
+        self._arm(engine)
+        if engine.worker in self.executor.idle_waiters and engine.idle:
+            self.executor.worker_idle(self.workers[engine.worker], self.now)
+
+    def _arm(self, engine: Engine) -> None:
+        if engine.busy_until is not None and engine.armed != engine.epoch:
+            engine.armed = engine.epoch
+            self.push(engine.busy_until, EV_WAKE, engine, engine.epoch)
+
+    def _to_decode(self, req: Request) -> None:
+        decoders = self.router.routable(Role.DECODE)
+        if not decoders:  # no decode worker admitted (mode change under way): start the turn again later
+            pe = req.prefill_engine
+            self._outcomes(pe, pe.cancel(req, self.now))
+            self.router.pending.append(req.traj)
+            return
+        de = self.router.decode()
+        self._outcomes(de, de.submit(req, self.now))
+
+    def _kv_arrived(self, req: Request) -> None:
+        if req.state != TRANSFERRING:
+            return  # aborted meanwhile
+        pe, de = req.prefill_engine, req.engine
+        self._outcomes(pe, pe.transferred(req, self.now))
+        self._outcomes(de, de.join(req, self.now))
+
+    def _abort(self, engine: Engine) -> None:
+        """Interrupt everything on `engine`; each trajectory keeps its progress and goes elsewhere."""
+        aborted, done = engine.interrupt(self.now)
+        self._outcomes(engine, done)
+        for req in aborted:
+            for other in (req.prefill_engine, req.engine):
+                if other is not None and other is not engine:
+                    self._outcomes(other, other.cancel(req, self.now))
+        self.interrupted += len(aborted)
+        for req in aborted:
+            self._dispatch(req.traj)
+
+    def _turn_done(self, traj: Trajectory, engine: Engine) -> None:
+        gen = traj.gen[traj.turn]
+        if traj.turn_generated != gen:
+            raise RuntimeError(f"trajectory {traj.id} turn {traj.turn}: generated {traj.turn_generated} of {gen}")
+        traj.turn_generated = 0
+        self.turn_tokens += gen
+        self.timeline.generated(self.now, gen)
+        if traj.turn == traj.turns - 1:
+            self._live_change(-1, 0)
+            traj.done = True
+            self.router.finished(traj)
+            self.remaining -= 1
+            if self.remaining == 0:
+                self._rollout_end()
+            return
+        self._live_change(0, 1)
+        self.push(self.now + traj.env_s[traj.turn], EV_ENV, traj)
+
+    def _resume(self, traj: Trajectory) -> None:
+        self._live_change(0, -1)
+        traj.context += traj.gen[traj.turn] + traj.obs[traj.turn]
+        traj.turn += 1
+        self._dispatch(traj)
+
+    def _live_change(self, live: int, env: int) -> None:
+        dt = self.now - self.live_since
+        self.live_area += self.live * dt
+        self.decoding_area += (self.live - self.env_waiting) * dt
+        self.live_since = self.now
+        self.live += live
+        self.env_waiting += env
+
+    # -- rollout steps and training --------------------------------------------------------------
+
+    def _try_rollout(self) -> None:
+        if not self.trainer.can_roll_out():
+            return
+        step = self.trainer.start_rollout()
+        self.batch = sample_batch(self.sc.workload, self.sc.seed, step)
+        self.remaining = len(self.batch)
+        self.step_begin = self.now
+        self.sink.clear()
+        self.live_area = self.decoding_area = 0.0
+        self._live_change(len(self.batch), 0)
+        for traj in self.batch:
+            self._dispatch(traj)
+        self.request_decision("rollout_begin")
+
+    def _rollout_end(self) -> None:
+        step = self.trainer.rollout_step
+        self._live_change(0, 0)
+        self.makespans.append(self.now - self.step_begin)
+        self.batch_tokens[step] = sum(t.metric_tokens for t in self.batch)
+        self.telemetry = self._step_telemetry(step)
+        self.trainer.finish_rollout()
+        self.request_decision("rollout_end")
+        self._try_train()
+        self._try_rollout()
+
+    def _step_telemetry(self, step: int) -> StepTelemetry:
+        records = [r for r in self.sink if r[5] > 0]
+        if len(records) > ITERATIONS_PER_TELEMETRY:
+            stride = len(records) / ITERATIONS_PER_TELEMETRY
+            records = [records[int(i * stride)] for i in range(ITERATIONS_PER_TELEMETRY)]
+        fraction = self.decoding_area / self.live_area if self.live_area > 0 else None
+        return StepTelemetry(
+            step=step, batch_size=len(self.batch), trajectories=[t.record() for t in self.batch],
+            iterations=[IterationRecord(worker=w, role=role, batch=b, context_tokens_mean=ctx, prefill_tokens=p,
+                                        seconds=s) for w, role, b, ctx, p, s in records],
+            decode_fraction=min(1.0, fraction) if fraction else None,
+        )
+
+    def _try_train(self) -> None:
+        tr = self.trainer
+        if not tr.wants_to_train():
+            return
+        if any(w.holds_gpus for w in self.cluster.overlap):
+            if tr.wanted_since is None:  # borrowed GPUs must come back first
+                tr.wanted_since = self.now
+                self.request_decision("training_wanted")
+            return
+        self.push(tr.start_training(self.now), EV_TRAIN_END)
+        self.request_decision("training_begin")
+
+    def _training_end(self) -> None:
+        version = self.trainer.finish_training(self.now)
+        self.tokens_trained += self.batch_tokens.pop(version - 1)
+        until = self.now + self.sc.training.weight_sync_s
+        for w in self.cluster.workers:
+            if w.engine is not None:
+                self._outcomes(w.engine, w.engine.pause(self.now, until))
+                w.weights_version = version
+        self.timeline.trained(self.now)
+        self.request_decision("training_end")
+        self._try_train()
+        self._try_rollout()
+
+    # -- preemptible GPUs ------------------------------------------------------------------------
+
+    def _trace(self, change: Change, initial: bool = False) -> None:
+        pre = self.cluster.preemptible
+        for i in change.granted:
+            pre[i].granted = True
+            pre[i].deadline = None  # a notice withdrawn before its deadline
+        notice = self.sc.cluster.preemptible.notice_s if self.sc.cluster.preemptible else 0.0
+        for i in change.revoked:
+            w = pre[i]
+            w.granted = False
+            w.deadline = change.t + notice
+            self.push(w.deadline, EV_DEADLINE, w, w.deadline)
+        self.timeline.available(change.t, change.workers * self.sc.tp)
+        if not initial:
+            self.request_decision("grant" if change.granted else "notice")
+
+    def _deadline(self, w: Worker, deadline: float) -> None:
+        if w.deadline != deadline:
+            return  # withdrawn
+        w.deadline = None
+        if w.holds_gpus:  # the policy did not release it in time: the GPUs go anyway
+            self.forced_releases += 1
+            self.executor.forget(w, self.now)
+            self.stop(w, self.now)
+            w.activity = Activity.INACTIVE
+            self.freed(w, self.now)
+            self.request_decision("forced_release")
+
+    # -- accounting ------------------------------------------------------------------------------
+
+    def token_balance(self) -> tuple[int, int]:
+        """(tokens the engines decoded, tokens the trajectories hold): equal when nothing is lost."""
+        engines = [w.engine for w in self.cluster.workers if w.engine is not None]
+        decoded = self.retired_decode_tokens + sum(e.decode_tokens for e in engines)
+        held = self.turn_tokens + sum(t.turn_generated for t in self.batch)
+        return decoded, held + sum(e.decoding_progress() for e in engines)
+
+    def _count_gpus(self, delta: int) -> None:
+        self.gpu_seconds += self.gpus * (self.now - self.gpus_since)
+        self.gpus_since = self.now
+        self.gpus += delta
+
+    def _sample_fleet(self) -> None:
+        counts: dict[str, int] = {}
+        for w in self.cluster.workers:
+            if w.holds_gpus:
+                label = "transitioning" if w.activity is not Activity.ACTIVE or w.removing else f"{w.zone}/{w.role}"
+                counts[label] = counts.get(label, 0) + len(w.gpus)
+        self.timeline.fleet(self.now, counts)
+
+    def _result(self, events: int, wall_s: float) -> Result:
+        tr = self.trainer
+        return Result(
+            scenario=self.sc.name, policy=self.policy.name,
+            tokens_per_s=self.tokens_trained / self.sc.duration_s,
+            rollout_steps=tr.batches_done, training_steps=tr.trained, gpu_seconds=self.gpu_seconds,
+            reconfigurations=self.reconfigurations, plans=self.plans,
+            late_returns=tr.late_returns, lateness_s=tr.lateness_s, forced_releases=self.forced_releases,
+            cancelled_groups=self.executor.cancelled_groups, interrupted_requests=self.interrupted,
+            mean_step_makespan_s=(sum(self.makespans) / len(self.makespans)) if self.makespans else math.nan,
+            events=events, wall_s=wall_s, timeline=self.timeline,
+        )
+
+
+def simulate(scenario: Scenario, policy: Policy, progress: Callable[[float], None] | None = None) -> Result:
+    return Simulation(scenario, policy, progress).run()
