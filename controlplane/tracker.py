@@ -1,0 +1,201 @@
+"""The runtime tracker: fold one rollout step's telemetry into the profile (refit every step).
+
+Pure: no I/O. `fit_profile(prior, telemetry)` returns the next profile; the database adapter stores
+each result as a new `profiles` row (history kept, provenance `fitted`), the simulator keeps it in
+the policy's memory.
+
+What is refit, each with weight α = max(alpha_min, 1/(steps + 1)) for the new step (the first
+step replaces the prior, later steps average, then an exponential window of ~1/alpha_min steps):
+- workload pools: prompts, tokens generated per turn (the turn a trajectory was cut at the cap
+  excluded), tokens appended per turn, environment time per turn, merged as weighted quantiles;
+  the intended turns by Kaplan-Meier, since a trajectory ended by the context cap only says its
+  intended turns were at least those it ran (censored); the mass beyond the last uncensored count
+  follows the previous pool's tail;
+- f, the measured share of live trajectories decoding, when reported;
+- the engine, when `iterations` are reported: per batch bin, the median ratio of measured to
+  predicted decode iteration time scales the decode curve; the median ratio for prefill tokens
+  scales t_p (geometric EMA of the ratios, so one odd step cannot swing it);
+- T_over, when the step's makespan and configuration are known: the per-turn residual
+  (observed - predicted with T_over = 0) / S, clipped at 0.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+
+from .domain import Role
+from .errors import BadInput
+from .predictor import Config, predict
+from .profile import DECODE_BATCHES, EngineProfile, Profile, ProfileKey, Provenance, WorkloadPools, quantile_pool
+from .telemetry import IterationRecord, StepTelemetry
+
+ALPHA_MIN = 0.1  # the refit forgets with a window of about ten steps
+MIN_POINTS = 3  # iterations needed in a batch bin before its ratio is trusted
+
+
+def fit_profile(
+    prior: Profile,
+    telemetry: StepTelemetry,
+    *,
+    makespan_s: float | None = None,
+    config: Config | None = None,
+    device: str | None = None,
+    alpha_min: float = ALPHA_MIN,
+) -> Profile:
+    """The profile after one more step of telemetry (module docstring). `device` re-keys the result
+    (a measurement on one device never overrides the profile of another)."""
+    if not 0 < alpha_min <= 1:
+        raise BadInput(f"alpha_min: must be in (0, 1], got {alpha_min}")
+    if makespan_s is not None and (not math.isfinite(makespan_s) or makespan_s <= 0):
+        raise BadInput(f"makespan_s: must be a finite number > 0, got {makespan_s}")
+    alpha = max(alpha_min, 1.0 / (prior.steps_observed + 1))
+    trajectories = [t for t in telemetry.trajectories if t.turns > 0]
+    if not trajectories:
+        raise BadInput("telemetry.trajectories: no trajectory ran a turn")
+    pools = _merge_pools(prior.workload, trajectories, alpha)
+    engine, engine_fit = _fit_engine(prior.engine, telemetry.iterations, alpha)
+    f = prior.decode_fraction
+    if telemetry.decode_fraction is not None:
+        f = (1 - alpha) * f + alpha * telemetry.decode_fraction
+    key = prior.key if device is None else ProfileKey(prior.key.model, prior.key.gpu, prior.key.tp, device)
+    fitted = replace(
+        prior,
+        key=key,
+        provenance=Provenance.FITTED,
+        batch_size=telemetry.batch_size,
+        engine=engine,
+        workload=pools,
+        decode_fraction=f,
+        steps_observed=prior.steps_observed + 1,
+        fit={},
+    )
+    fit: dict[str, Any] = {"step": telemetry.step, "alpha": alpha, "trajectories": len(trajectories), **engine_fit}
+    if makespan_s is not None and config is not None:
+        base = predict(replace(fitted, t_over_s=0.0), config).makespan_s
+        observed = max(0.0, (makespan_s - base) / max(fitted.S, 1.0))
+        fit.update(makespan_s=makespan_s, predicted_s=base, config=config.label, t_over_observed_s=observed)
+        fitted = replace(fitted, t_over_s=(1 - alpha) * prior.t_over_s + alpha * observed)
+    return replace(fitted, fit=fit)
+
+
+# -- workload -------------------------------------------------------------------------------------
+
+
+def _merge(old: tuple[float, ...], new: list[float], alpha: float) -> tuple[float, ...]:
+    """Weighted quantiles of the old pool (weight 1 - α in all) and the new values (α in all)."""
+    if not new:
+        return old
+    if alpha >= 1:
+        return quantile_pool(new, len(old))
+    values = np.concatenate([old, new])
+    weights = np.concatenate([np.full(len(old), (1 - alpha) / len(old)), np.full(len(new), alpha / len(new))])
+    return quantile_pool(values, len(old), weights)
+
+
+def intended_turns(turns: list[int], truncated: list[bool], tail: tuple[float, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """Kaplan-Meier distribution of the intended turns: (values, probabilities).
+
+    A truncated trajectory is censored at the turns it ran. The mass left beyond the last
+    uncensored count is spread over `tail`'s values above it (the previous pool), or put at the
+    largest count seen when `tail` has none.
+    """
+    t = np.asarray(turns, dtype=float)
+    cut = np.asarray(truncated, dtype=bool)
+    values, probs = [], []
+    survival = 1.0
+    for v in np.unique(t[~cut]):
+        at_risk = float((t >= v).sum())
+        events = float(((t == v) & ~cut).sum())
+        mass = survival * events / at_risk
+        values.append(v)
+        probs.append(mass)
+        survival -= mass
+    if survival > 1e-12:
+        last = max(values) if values else 0.0
+        beyond = np.asarray([x for x in tail if x > last])
+        if beyond.size == 0:
+            beyond = np.asarray([max(float(t.max()), last)])
+        values.extend(beyond.tolist())
+        probs.extend([survival / beyond.size] * beyond.size)
+    return np.asarray(values), np.asarray(probs)
+
+
+def _merge_pools(old: WorkloadPools, trajectories: list, alpha: float) -> WorkloadPools:
+    gen: list[float] = []
+    obs: list[float] = []
+    env: list[float] = []
+    for t in trajectories:
+        gen.extend(t.gen_tokens[:-1] if t.truncated else t.gen_tokens)
+        obs.extend(t.obs_tokens)
+        env.extend(t.env_s)
+    values, probs = intended_turns([t.turns for t in trajectories], [t.truncated for t in trajectories], old.turns)
+    n = len(old.turns)
+    new_turns = quantile_pool(values, n, probs)
+    if alpha < 1:
+        merged = np.concatenate([old.turns, values])
+        weights = np.concatenate([np.full(n, (1 - alpha) / n), alpha * probs / probs.sum()])
+        new_turns = quantile_pool(merged, n, weights)
+    return WorkloadPools(
+        prompt_tokens=_merge(old.prompt_tokens, [float(t.prompt_tokens) for t in trajectories], alpha),
+        turns=new_turns,
+        gen_tokens=_merge(old.gen_tokens, [float(x) for x in gen], alpha),
+        obs_tokens=_merge(old.obs_tokens, [float(x) for x in obs], alpha),
+        env_s=_merge(old.env_s, [float(x) for x in env], alpha),
+    )
+
+
+# -- engine ---------------------------------------------------------------------------------------
+
+
+def _fit_engine(
+    engine: EngineProfile, iterations: list[IterationRecord], alpha: float
+) -> tuple[EngineProfile, dict[str, Any]]:
+    """Scale the decode curve per batch bin and t_p by the median measured/predicted ratios."""
+    if not iterations:
+        return engine, {}
+    decode = [i for i in iterations if i.prefill_tokens == 0 and i.batch > 0 and i.role is not Role.PREFILL]
+    prefill = [i for i in iterations if i.prefill_tokens > 0]
+    fit: dict[str, Any] = {"decode_points": len(decode), "prefill_points": len(prefill)}
+    base = list(engine.decode_base_s)
+    ratios_all: list[float] = []
+    if decode:
+        batch = np.array([i.batch for i in decode], dtype=float)
+        ratio = np.array([i.seconds for i in decode]) / engine.decode_iteration_s(
+            batch, np.array([i.context_tokens_mean for i in decode])
+        )
+        bins = np.abs(np.log(batch)[:, None] - np.log(np.array(DECODE_BATCHES, dtype=float))[None, :]).argmin(axis=1)
+        for b_i in range(len(engine.decode_batches)):
+            inside = ratio[bins == b_i]
+            if len(inside) >= MIN_POINTS:
+                base[b_i] *= float(np.median(inside)) ** alpha
+                ratios_all.extend(inside.tolist())
+    b_ctx = engine.decode_s_per_ctx_token
+    if len(ratios_all) >= MIN_POINTS:
+        median = float(np.median(ratios_all))
+        b_ctx *= median**alpha
+        fit["decode_ratio"] = median
+    t_p0, t_pc = engine.prefill_s_per_token, engine.prefill_s_per_token_per_ctx
+    if len(prefill) >= MIN_POINTS:
+        own = np.array([engine.decode_iteration_s(i.batch, i.context_tokens_mean) if i.batch else 0.0 for i in prefill])
+        tokens = np.array([i.prefill_tokens for i in prefill], dtype=float)
+        ctx = np.array([i.context_tokens_mean for i in prefill])
+        measured = (np.array([i.seconds for i in prefill]) - own) / tokens
+        ratio = measured / engine.prefill_s_per_token_at(ctx)
+        ratio = ratio[ratio > 0]
+        if len(ratio) >= MIN_POINTS:
+            median = float(np.median(ratio))
+            t_p0 *= median**alpha
+            t_pc *= median**alpha
+            fit["prefill_ratio"] = median
+    fitted = replace(
+        engine,
+        decode_base_s=tuple(base),
+        decode_s_per_ctx_token=b_ctx,
+        prefill_s_per_token=t_p0,
+        prefill_s_per_token_per_ctx=t_pc,
+    )
+    return fitted, fit
