@@ -46,6 +46,7 @@ from .profile import Profile
 
 FIXED_POINT_ITERATIONS = 4  # f converges to <1% in 3-4 iterations on the paper workloads
 MAX_UTILISATION = 0.9  # M/D/1 waits are capped here; beyond, the round stretches (stall)
+PARTS = ("decode_s", "prefill_s", "kv_transfer_s", "queue_s", "overhead_s", "env_s")  # critical-path components
 LEAD_SHARE = 0.12  # the slowest share of the sample that carries the expected maximum ((0.88)^64 ~ 3e-4 left)
 TAIL_QUANTILE = 0.9  # `tail_s`: time from 90% of trajectories finished to the expected last
 
@@ -316,7 +317,11 @@ def _round_costs(wb: Workbook, split: bool, st: dict, alive: Any, n1: Any, n2: A
     wait = _md1_wait(load_pre / rnd, pre) + _md1_wait(load_nic / rnd, xfer)
     stall = np.maximum(0.0, np.maximum(load_pre, load_nic) - (rnd + wait))
     f_new = decode / (rnd + wait + stall)
-    diagnostics = {"kv_utilisation": dec * ctx / cap, "nic_utilisation": load_nic / rnd, "stall_s": stall}
+    diagnostics = {
+        "kv_utilisation": dec * ctx / cap,
+        "nic_utilisation": load_nic / rnd,
+        "prefill_utilisation": load_pre / (rnd + wait),
+    }
     return _Costs(per_token, miss, wait + stall + p.t_over_s, f_new, diagnostics)
 
 
@@ -368,17 +373,17 @@ def evaluate(
     lead_total = wb.lead_matrix @ coefficients + wb.lead_constant[split][:, None]
     makespan = wb.lead_weights @ np.sort(lead_total, axis=0)
     chosen = np.arange(len(n1)) if refine is None else np.sort(np.argsort(makespan, kind="stable")[:refine])
-    sub = _Costs(*(x[:, chosen] for x in (costs.per_token, costs.miss, costs.extra, costs.f)), {})
-    parts = _parts(wb, wb.rows, split, sub)
-    total, parts = _refine(wb, split, n1[chosen], n2[chosen], f[:, chosen], parts)
-    order = np.argsort(total, axis=0, kind="stable")
-    makespan[chosen] = wb.weights @ np.take_along_axis(total, order, axis=0)
-    components = {name: np.full(len(n1), np.nan) for name in parts}
-    for name, m in parts.items():
-        components[name][chosen] = wb.weights @ np.take_along_axis(m, order, axis=0)
-    weight = wb.rows.turn.sum(axis=0) / wb.rows.turn.sum()
+    components = {name: np.full(len(n1), np.nan) for name in PARTS}
     tail = np.full(len(n1), np.nan)
-    tail[chosen] = makespan[chosen] - np.quantile(total, TAIL_QUANTILE, axis=0)
+    if len(chosen):
+        sub = _Costs(*(x[:, chosen] for x in (costs.per_token, costs.miss, costs.extra, costs.f)), {})
+        total, parts = _refine(wb, split, n1[chosen], n2[chosen], f[:, chosen], _parts(wb, wb.rows, split, sub))
+        order = np.argsort(total, axis=0, kind="stable")
+        makespan[chosen] = wb.weights @ np.take_along_axis(total, order, axis=0)
+        for name, m in parts.items():
+            components[name][chosen] = wb.weights @ np.take_along_axis(m, order, axis=0)
+        tail[chosen] = makespan[chosen] - np.quantile(total, TAIL_QUANTILE, axis=0)
+    weight = wb.rows.turn.sum(axis=0) / wb.rows.turn.sum()
     diagnostics = {
         "tail_s": tail,
         "prefix_miss_rate": weight @ costs.miss,
@@ -496,11 +501,9 @@ def _feasibility(
         return [common] * len(n1)
     # method.md: the decode KV must hold the expected concurrent footprint, and prefill must keep up
     footprint = np.max(p.decode_fraction * wb.alive * wb.stats["ctx_decode"])
-    tp = np.asarray(e.prefill_s_per_token_at(wb.stats["ctx_before"]))[:, None]
-    pre_mean = (wb.stats["new_split"][:, None] + costs.miss * wb.stats["ctx_before"][:, None]) * tp
     turns = wb.rows.turn.sum(axis=0)
-    per_worker = (turns * p.batch_size / len(wb.rows.gen)) @ pre_mean / n1
-    busy = per_worker / np.maximum(makespan, 1e-9)
+    # a prefill worker's work per round over the round's unstalled length, averaged over the turns
+    busy = turns @ costs.diagnostics["prefill_utilisation"] / turns.sum()
     diag["prefill_utilisation"] = busy
     diag["nic_utilisation"] = turns @ costs.diagnostics["nic_utilisation"] / turns.sum()
     reasons = []

@@ -110,7 +110,7 @@ class WorkloadPools:
     turns: tuple[float, ...]
     gen_tokens: tuple[float, ...]  # generated per turn
     obs_tokens: tuple[float, ...]  # appended by the environment after a turn
-    env_s: tuple[float, ...]  # environment time after a turn
+    env_s: tuple[float, ...]  # environment time after a turn that another turn follows
 
 
 @dataclass(frozen=True, eq=False)
@@ -151,7 +151,7 @@ def draw_trajectories(pools: WorkloadPools, cap: int, k: int, seed: int = SAMPLE
     end = start + gen  # context after turn k's generation
     truncated = (turns < intended) | ((end >= cap) & last).any(axis=1)
     obs = np.where(runs & ~last, obs, 0.0)
-    env = np.where(runs, env, 0.0)
+    env = np.where(runs & ~last, env, 0.0)  # the last turn has no environment step after it
     r = int(turns.max())  # rounds no trajectory reaches are dropped
     return TrajectorySample(prompt, gen[:, :r], obs[:, :r], env[:, :r], turns, truncated)
 
@@ -288,14 +288,15 @@ def expected_max(values: np.ndarray, n: int) -> float:
 
 
 def quantile_pool(values: Any, n: int = POOL_SIZE, weights: Any = None) -> tuple[float, ...]:
-    """n quantiles at probabilities (i + 1/2)/n of the (weighted) empirical distribution of `values`."""
+    """n quantiles at probabilities (i + 1/2)/n of the (weighted) empirical distribution of `values`
+    (the inverse CDF, a step function: discrete quantities such as turns stay discrete)."""
     v = np.asarray(values, dtype=float)
     w = np.ones_like(v) if weights is None else np.asarray(weights, dtype=float)
     order = np.argsort(v, kind="stable")
     v, w = v[order], w[order]
-    cdf = (np.cumsum(w) - w / 2) / w.sum()
-    probs = (np.arange(n) + 0.5) / n
-    return tuple(float(x) for x in np.interp(probs, cdf, v))
+    cdf = np.cumsum(w) / w.sum()
+    idx = np.searchsorted(cdf, (np.arange(n) + 0.5) / n, side="left")
+    return tuple(float(x) for x in v[np.minimum(idx, len(v) - 1)])
 
 
 # -- builders -------------------------------------------------------------------------------------

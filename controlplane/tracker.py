@@ -100,8 +100,8 @@ def intended_turns(turns: list[int], truncated: list[bool], tail: tuple[float, .
     """Kaplan-Meier distribution of the intended turns: (values, probabilities).
 
     A truncated trajectory is censored at the turns it ran. The mass left beyond the last
-    uncensored count is spread over `tail`'s values above it (the previous pool), or put at the
-    largest count seen when `tail` has none.
+    uncensored count is spread over `tail`'s values (the previous pool) at or above the largest count
+    seen, or put at that count when `tail` has none there.
     """
     t = np.asarray(turns, dtype=float)
     cut = np.asarray(truncated, dtype=bool)
@@ -115,10 +115,11 @@ def intended_turns(turns: list[int], truncated: list[bool], tail: tuple[float, .
         probs.append(mass)
         survival -= mass
     if survival > 1e-12:
-        last = max(values) if values else 0.0
-        beyond = np.asarray([x for x in tail if x > last])
+        # trajectories censored after the last event: their intended turns are at least the largest count
+        floor = max([*values, float(t[cut].max()) if cut.any() else 0.0])
+        beyond = np.asarray([x for x in tail if x >= floor]) if tail else np.asarray([])
         if beyond.size == 0:
-            beyond = np.asarray([max(float(t.max()), last)])
+            beyond = np.asarray([floor])
         values.extend(beyond.tolist())
         probs.extend([survival / beyond.size] * beyond.size)
     return np.asarray(values), np.asarray(probs)

@@ -1,0 +1,232 @@
+"""The makespan predictor: the paper's formulas, pearl's model (tail, prefix cache, KV), feasibility."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+from pearl.controlplane.catalog import default_catalog
+from pearl.controlplane.domain import Mode, Role
+from pearl.controlplane.errors import BadInput
+from pearl.controlplane.perfmodel import PerfModel
+from pearl.controlplane.predictor import (
+    Config,
+    describe,
+    evaluate,
+    makespan_colocated_paper,
+    makespan_disaggregated_paper,
+    predict,
+    predict_paper,
+    prepare,
+)
+from pearl.controlplane.profile import WorkloadPools, profile_from_workload
+from pearl.sim.scenario import load_scenario
+
+pytestmark = pytest.mark.unit
+
+SCENARIOS = Path(__file__).resolve().parents[2] / "sim" / "scenarios"
+
+
+@pytest.fixture(scope="module")
+def perf() -> PerfModel:
+    cat = default_catalog()
+    return PerfModel(cat.model("qwen3-8b"), cat.gpu("h800"), 2)
+
+
+@pytest.fixture(scope="module")
+def prior(perf):
+    return profile_from_workload(load_scenario(SCENARIOS / "paper-qwen3-8b-seg1.yaml").workload, perf)
+
+
+def constant(prior, *, prompt=1000.0, turns=2.0, gen=100.0, obs=50.0, env=1.0, batch=1, cap=100_000):
+    """A profile whose every trajectory is the same (no tail): times can be computed by hand."""
+    pools = WorkloadPools((prompt,), (turns,), (gen,), (obs,), (env,))
+    return replace(prior, workload=pools, batch_size=batch, max_context_tokens=cap, t_over_s=0.0)
+
+
+# -- the paper's formulas ---------------------------------------------------------------------------
+
+
+def test_paper_colocated_formula():
+    t = makespan_colocated_paper(
+        S=10, B=64, N=8, delta_l=500, r=1000, t_p=2e-5, A=0.004, b=0.0005, T_over=0.1, T_env=30
+    )
+    assert t == pytest.approx(10 * ((64 * 500 / 8) * 2e-5 + 1000 * (0.004 + 0.0005 * 64 / 8) + 0.1) + 30)
+
+
+def test_paper_disaggregated_formula_takes_the_slower_pool():
+    kw = dict(S=10, B=64, delta_l=500, r=1000, t_p=2e-5, A=0.004, b=0.0005, theta=0.5, K=147456, BW=80e9, T_env=30)
+    t_dec = 10 * 1000 * (0.004 + 0.0005 * 64 / (6 * 1.5)) * 1.5
+    t_pre = 10 * (64 * 500 * 2e-5 / 2 + 64 * 500 * 147456 / 80e9)
+    assert makespan_disaggregated_paper(N_P=2, N_D=6, **kw) == pytest.approx(max(t_pre, t_dec) + 30)
+    slow_prefill = dict(kw, t_p=0.05)
+    t_pre_slow = 10 * (64 * 500 * 0.05 / 2 + 64 * 500 * 147456 / 80e9)
+    assert makespan_disaggregated_paper(N_P=2, N_D=6, **slow_prefill) == pytest.approx(t_pre_slow + 30)
+    # numpy arrays broadcast, for ranking many splits at once
+    many = makespan_disaggregated_paper(N_P=np.array([1, 2]), N_D=np.array([7, 6]), **kw)
+    assert many.shape == (2,)
+
+
+def test_predict_paper_uses_the_profile_symbols(prior):
+    p = prior
+    expect = makespan_colocated_paper(
+        S=p.S, B=p.batch_size, N=7, delta_l=p.delta_l, r=p.r, t_p=p.t_p, A=p.A, b=p.b, T_over=0.0, T_env=p.T_env
+    )
+    assert predict_paper(p, Config.colocated(7)) == pytest.approx(expect)
+    assert predict_paper(p, Config.split(2, 5)) > 0
+
+
+# -- configurations ---------------------------------------------------------------------------------
+
+
+def test_config_shapes_and_labels():
+    assert Config.colocated(8).label == "colocated" and str(Config.colocated(8)) == "colocated x8"
+    assert Config.split(4, 12).label == "4P12D" and Config.split(4, 12).workers == 16
+    assert Config.split(4, 12).mode is Mode.SPLIT
+    assert Config.split(1, 2).counts() == {Role.PREFILL: 1, Role.DECODE: 2}
+    assert Config.from_counts({Role.COLOCATED: 3}) == Config.colocated(3)
+    assert Config.from_counts({}) is None
+    for bad in (dict(n_colocated=2, n_prefill=1), dict(n_prefill=1), dict(n_colocated=-1)):
+        with pytest.raises(BadInput, match="config"):
+            Config(**bad)
+
+
+# -- pearl's model ----------------------------------------------------------------------------------
+
+
+def test_a_lone_trajectory_is_timed_exactly(prior):
+    """B = 1, no tail, no contention: decode at batch 1, prefill of what is new, one environment wait."""
+    p = constant(prior)
+    e = p.engine
+    pred = predict(p, Config.colocated(1))
+    decode = 100 * float(e.decode_iteration_s(1, 1000 + 50)) + 100 * float(e.decode_iteration_s(1, 1150 + 50))
+    prefill = 1000 * e.prefill_s_per_token + 50 * float(e.prefill_s_per_token_at(1100))
+    assert pred.components["decode_s"] == pytest.approx(decode)
+    assert pred.components["prefill_s"] == pytest.approx(prefill)
+    assert pred.components["env_s"] == pytest.approx(1.0)
+    assert pred.makespan_s == pytest.approx(decode + prefill + 1.0)
+    assert pred.feasible and pred.diagnostics["prefix_miss_rate"] == 0
+
+
+def test_paper_scenario_takes_minutes(prior):
+    """Qwen3-8B TP2 on H800, 64 trajectories on 7 workers: minutes, S ~ max of 64 turn draws."""
+    pred = predict(prior, Config.colocated(7))
+    assert 120 < pred.makespan_s < 900
+    assert pred.components["decode_s"] > 60  # ~17 turns of ~1k tokens at ~5-10 ms a token
+    assert pred.components["env_s"] > prior.T_env  # the slowest trajectory waits on the environment more
+    assert sum(pred.components.values()) == pytest.approx(pred.makespan_s, rel=1e-9)
+    assert 0 < pred.diagnostics["tail_s"] < pred.makespan_s
+
+
+def test_more_workers_never_predict_slower(prior):
+    times = [predict(prior, Config.colocated(n)).makespan_s for n in (1, 2, 4, 8, 16, 32)]
+    assert all(a >= b for a, b in zip(times, times[1:], strict=False))
+    assert times[0] > 1.5 * times[-1]
+
+
+def test_tail_model_lowers_the_round_model(prior):
+    """Pass 2 times the slowest trajectories with the load when they run: later turns decode at
+    small batches, so the prediction drops below the round model's."""
+    wb = prepare(prior)
+    n = np.array([4.0, 8.0])
+    rounds = evaluate(wb, False, n, refine=0)
+    tail = evaluate(wb, False, n)
+    assert not rounds.refined.any() and tail.refined.all()
+    assert np.all(tail.makespan_s < rounds.makespan_s)
+    assert np.all(tail.makespan_s > 0.8 * rounds.makespan_s)
+
+
+def test_last_trajectory_decodes_nearly_alone(prior):
+    """One trajectory in a hundred runs 40 turns: its late turns run alone, at ~A per token."""
+    pools = WorkloadPools((1000.0,), (2.0,) * 99 + (40.0,), (200.0,), (50.0,), (0.5,))
+    p = replace(prior, workload=pools, batch_size=64, max_context_tokens=100_000)
+    e = p.engine
+    pred = predict(p, Config.colocated(2))
+    alone = 40 * 200 * float(e.decode_iteration_s(1, 6000.0))
+    crowded = 40 * 200 * float(e.decode_iteration_s(32, 6000.0))
+    assert pred.components["decode_s"] < 1.3 * alone
+    assert pred.components["decode_s"] < 0.5 * crowded
+
+
+def test_split_prefills_the_previous_generation_and_moves_kv(prior):
+    p = replace(prior, batch_size=16)
+    coloc = predict(p, Config.colocated(4))
+    split = predict(p, Config.split(1, 3))
+    # the prefill worker never computed the last turn's generated tokens: it prefills them too
+    assert split.components["prefill_s"] > 1.5 * coloc.components["prefill_s"]
+    assert split.components["kv_transfer_s"] > 0 and coloc.components["kv_transfer_s"] == 0
+
+
+def test_kv_transfer_contention_on_few_prefill_nics(prior):
+    slow = replace(prior, engine=replace(prior.engine, kv_bandwidth_bps=1e9))
+    one = predict(slow, Config.split(1, 7))
+    four = predict(slow, Config.split(4, 4))
+    assert one.components["queue_s"] > four.components["queue_s"]
+    assert one.diagnostics["nic_utilisation"] > 3 * four.diagnostics["nic_utilisation"]
+
+
+def test_prefix_misses_when_the_cache_cannot_hold_the_contexts(prior):
+    small = replace(prior, engine=replace(prior.engine, kv_capacity_tokens=40_000))
+    many = predict(small, Config.colocated(1))  # 64 contexts of ~16k on one worker's 40k tokens
+    assert many.diagnostics["prefix_miss_rate"] > 0.5
+    assert many.components["prefill_s"] > 5 * predict(prior, Config.colocated(1)).components["prefill_s"]
+
+
+def test_infeasible_when_a_context_does_not_fit(prior):
+    tiny = replace(prior, engine=replace(prior.engine, kv_capacity_tokens=20_000))
+    pred = predict(tiny, Config.colocated(8))
+    assert not pred.feasible and "exceeds a worker's KV" in pred.reason
+
+
+def test_split_infeasible_when_decode_kv_is_too_small(prior):
+    small = replace(prior, engine=replace(prior.engine, kv_capacity_tokens=200_000))
+    assert "decode KV too small" in predict(small, Config.split(6, 2)).reason
+    assert predict(small, Config.split(2, 6)).feasible
+    # and one prefill worker can no longer cache 64 contexts: misses make it the bottleneck
+    one = predict(small, Config.split(1, 7))
+    assert "prefill cannot keep up" in one.reason and one.diagnostics["prefix_miss_rate"] > 0.3
+
+
+def test_split_infeasible_when_prefill_cannot_keep_up(prior):
+    slow = replace(prior, engine=replace(prior.engine, prefill_s_per_token=5e-3))
+    pred = predict(slow, Config.split(1, 7))
+    assert not pred.feasible and "prefill cannot keep up" in pred.reason
+    assert predict(slow, Config.colocated(8)).feasible
+
+
+def test_remaining_fraction(prior):
+    full = predict(prior, Config.colocated(8)).makespan_s
+    assert predict(prior, Config.colocated(8), remaining_fraction=1.0).makespan_s == full
+    half = predict(prior, Config.colocated(8), remaining_fraction=0.5).makespan_s
+    little = predict(prior, Config.colocated(8), remaining_fraction=0.05).makespan_s
+    assert full > half > little > 0
+    for bad in (0.0, 1.5):
+        with pytest.raises(BadInput, match="remaining_fraction"):
+            predict(prior, Config.colocated(8), remaining_fraction=bad)
+
+
+def test_vectorised_evaluation_matches_single_predictions(prior):
+    wb = prepare(prior)
+    p = np.arange(1, 8, dtype=float)
+    ev = evaluate(wb, True, p, 8 - p)
+    for i in (0, 3, 6):
+        single = predict(prior, Config.split(int(p[i]), 8 - int(p[i])))
+        assert ev.makespan_s[i] == pytest.approx(single.makespan_s)
+        assert ev.feasible[i] == single.feasible
+
+
+def test_t_over_adds_per_turn(prior):
+    base = predict(prior, Config.colocated(8)).makespan_s
+    slower = predict(replace(prior, t_over_s=1.0), Config.colocated(8))
+    assert slower.components["overhead_s"] == pytest.approx(prior.S, rel=0.25)
+    assert slower.makespan_s > base + 0.7 * prior.S
+
+
+def test_describe_is_json_ready(prior):
+    import json
+
+    d = describe(predict(prior, Config.split(2, 6)))
+    assert d["config"] == "2P6D" and d["workers"] == 8 and d["feasible"] is True
+    json.dumps(d)

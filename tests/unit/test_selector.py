@@ -1,0 +1,125 @@
+"""The PD selector: enumeration, ranking, infeasible candidates, hysteresis, forced switches."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from pearl.controlplane.catalog import default_catalog
+from pearl.controlplane.domain import Mode
+from pearl.controlplane.errors import BadInput
+from pearl.controlplane.perfmodel import PerfModel
+from pearl.controlplane.predictor import Config, predict
+from pearl.controlplane.profile import profile_from_workload
+from pearl.controlplane.selector import candidates_for, select
+from pearl.policies.switching import SwitchCosts
+from pearl.sim.scenario import load_scenario
+
+pytestmark = pytest.mark.unit
+
+SCENARIOS = Path(__file__).resolve().parents[2] / "sim" / "scenarios"
+FREE = SwitchCosts(cold_start_s=0.0, admit_s=0.0, role_switch_s=0.0)
+
+
+@pytest.fixture(scope="module")
+def prior():
+    cat = default_catalog()
+    perf = PerfModel(cat.model("qwen3-8b"), cat.gpu("h800"), 2)
+    return profile_from_workload(load_scenario(SCENARIOS / "ablation-qwen3-8b-dedicated16.yaml").workload, perf)
+
+
+def test_candidates_are_colocated_and_every_split():
+    assert [c.label for c in candidates_for(4)] == ["colocated", "1P3D", "2P2D", "3P1D"]
+    assert [c.label for c in candidates_for(1)] == ["colocated"]
+    assert candidates_for(0) == []
+
+
+def test_ranking_is_by_predicted_makespan_with_infeasible_last(prior):
+    small = replace(prior, engine=replace(prior.engine, kv_capacity_tokens=200_000))
+    s = select(small, 8)
+    assert len(s.candidates) == 8
+    feasible = [c for c in s.candidates if c.feasible]
+    infeasible = [c for c in s.candidates if not c.feasible]
+    assert infeasible and all(c.reason for c in infeasible)
+    assert s.candidates[: len(feasible)] == tuple(feasible)
+    assert [c.predicted_s for c in feasible] == sorted(c.predicted_s for c in feasible)
+    assert s.best == feasible[0].config and s.chosen == s.best
+    assert s.forced and s.current is None and "nothing running" in s.reason
+    # the chosen configuration's prediction agrees with the predictor
+    assert s.prediction.makespan_s == pytest.approx(predict(small, s.chosen).makespan_s)
+
+
+def test_close_candidates_keep_the_current_configuration(prior):
+    s = select(prior, 8)
+    runner_up = s.candidates[1]
+    assert runner_up.feasible and runner_up.predicted_s < 1.05 * s.candidates[0].predicted_s
+    kept = select(prior, 8, runner_up.config)
+    assert kept.chosen == runner_up.config and not kept.switched and not kept.forced
+    assert kept.decision is not None and not kept.decision.switch
+    assert "keep" in kept.reason
+
+
+def test_a_gain_beyond_the_threshold_switches(prior):
+    s = select(prior, 8)
+    worst = [c for c in s.candidates if c.feasible][-1]
+    moved = select(prior, 8, worst.config, costs=FREE, horizon_s=3600.0)
+    assert moved.switched and moved.chosen == s.best
+    assert moved.decision.switch and moved.decision.gain_s > moved.decision.threshold_s
+
+
+def test_mode_switch_needs_more_than_a_ratio_change(prior):
+    """From a split far from the best, a cheap ratio change may pay where a mode switch does not."""
+    s = select(prior, 8)
+    splits = [c for c in s.candidates if c.feasible and c.config.mode is Mode.SPLIT]
+    worst_split = splits[-1].config
+    costly = SwitchCosts(cold_start_s=10_000.0, admit_s=1.0, role_switch_s=1.0)
+    out = select(prior, 8, worst_split, costs=costly, horizon_s=3600.0)
+    assert out.chosen.mode is Mode.SPLIT and out.chosen != worst_split
+    assert out.chosen == splits[0].config
+
+
+def test_infeasible_current_is_a_forced_switch(prior):
+    small = replace(prior, engine=replace(prior.engine, kv_capacity_tokens=200_000))
+    out = select(small, 8, Config.split(6, 2))  # its decode KV cannot hold the batch
+    assert out.forced and out.switched and out.chosen == out.best
+    assert "infeasible" in out.reason and out.decision is None
+
+
+def test_budget_change_forces_the_count_but_hysteresis_guards_the_shape(prior):
+    out = select(prior, 10, Config.split(2, 6))
+    assert out.forced and out.chosen.workers == 10
+    assert "2P6D continues as 2P8D" in out.reason  # the P:D ratio kept at the new count
+    assert out.decision is not None
+    assert out.chosen == (out.best if out.decision.switch else Config.split(2, 8))
+    # with free switches the best wins outright
+    assert select(prior, 10, Config.split(2, 6), costs=FREE, horizon_s=3600.0).chosen == out.best
+
+
+def test_nothing_to_choose(prior):
+    assert select(prior, 0).chosen is None
+    none_fit = replace(prior, engine=replace(prior.engine, kv_capacity_tokens=1000))
+    out = select(none_fit, 4)
+    assert out.chosen is None and "no feasible configuration" in out.reason
+    with pytest.raises(BadInput, match="budget_workers"):
+        select(prior, -1)
+    with pytest.raises(BadInput, match="remaining_fraction"):
+        select(prior, 4, remaining_fraction=0.0)
+
+
+def test_explain_and_summary(prior):
+    out = select(prior, 16, Config.split(4, 12))
+    text = out.explain()
+    assert "rank" in text and out.reason in text
+    assert str(out.chosen) in text
+    summary = json.loads(json.dumps(out.summary()))
+    assert summary["chosen"] == out.chosen.label and summary["current"] == "4P12D"
+    assert len(summary["candidates"]) == 10
+    assert {"S", "dL", "r", "A", "b", "t_p", "theta"} <= set(summary["symbols"])
+    assert all(c["paper_s"] > 0 for c in summary["candidates"])
+
+
+def test_selection_is_deterministic(prior):
+    a, b = select(prior, 12, Config.colocated(12)), select(prior, 12, Config.colocated(12))
+    assert a.chosen == b.chosen and a.candidates == b.candidates
