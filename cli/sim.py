@@ -2,11 +2,125 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Annotated
+
 import typer
+from pearl.cli.common import emit_json, err, handle_errors, out
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
 
 sim_app = typer.Typer(help="Simulate a scenario: one system, all systems, or the PD-ratio table.",
                       no_args_is_help=True)
 
+ScenarioOpt = Annotated[str, typer.Option("--scenario", help="Scenario file, or the name of a shipped one.")]
+SetOpt = Annotated[list[str] | None, typer.Option("--set", help="Override a scenario key: key.path=value.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")]
+PlotOpt = Annotated[Path | None, typer.Option("--plot", help="Write PNG timelines here.")]
+
 
 def register(app: typer.Typer) -> None:
     app.add_typer(sim_app, name="sim")
+
+
+class _Bar:
+    """A Rich progress bar on stderr over simulated time, one task per system."""
+
+    def __init__(self, duration_s: float, enabled: bool) -> None:
+        self.duration_s = duration_s
+        self.progress = Progress(TextColumn("{task.description:>18}"), BarColumn(),
+                                 TextColumn("{task.percentage:>3.0f}%"), TimeElapsedColumn(),
+                                 console=err, disable=not enabled, transient=True)
+        self.tasks: dict[str, int] = {}
+
+    def __enter__(self) -> _Bar:
+        self.progress.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.progress.__exit__(*exc)
+
+    def __call__(self, name: str, t: float) -> None:
+        if name not in self.tasks:
+            self.tasks[name] = self.progress.add_task(name, total=self.duration_s)
+        self.progress.update(self.tasks[name], completed=min(t, self.duration_s))
+
+
+def _show(table: Table) -> None:
+    """Tables keep their columns when stdout is a file or a pipe (Rich would assume 80 columns)."""
+    if not out.is_terminal:
+        out.width = max(out.width, 140)
+    out.print(table)
+
+
+def _table(title: str, rows: dict, ratios: bool) -> Table:
+    table = Table(title=title)
+    for col in ("system", "tok/s", "×roll", "×rlb+", "steps", "GPU·h", "reconf", "late", "forced", "step s",
+                "wall s"):
+        table.add_column(col, justify="left" if col == "system" else "right")
+    for name, r in rows.items():
+        vs_roll, vs_rlb = r.get("vs_roll"), r.get("vs_rlboost-plus")
+        table.add_row(
+            name, f"{r['tokens_per_s']:,.0f}",
+            f"{vs_roll:.2f}" if ratios and vs_roll is not None else "-",
+            f"{vs_rlb:.2f}" if ratios and vs_rlb is not None else "-",
+            str(r["rollout_steps"]), f"{r['gpu_seconds'] / 3600:,.1f}", str(r["reconfigurations"]),
+            str(r["late_returns"]), str(r["forced_releases"]),
+            f"{r['mean_step_makespan_s']:.0f}" if r["mean_step_makespan_s"] is not None else "-",
+            f"{r['wall_s']:.1f}",
+        )
+    return table
+
+
+@sim_app.command("run")
+@handle_errors
+def run(scenario: ScenarioOpt, policy: Annotated[str, typer.Option("--policy", help="System to simulate.")],
+        set_: SetOpt = None, json_: JsonOpt = False, plot: PlotOpt = None) -> None:
+    """Simulate one system on a scenario."""
+    from pearl.sim.experiments import run_system
+    from pearl.sim.plot import check_path, plot_run
+    from pearl.sim.scenario import load_scenario
+    from pearl.sim.systems import system
+
+    system(policy)  # unknown name: exit 2 before any work
+    sc = load_scenario(scenario, set_ or [])
+    if plot is not None:
+        check_path(plot)
+    with _Bar(sc.duration_s, enabled=err.is_terminal) as bar:
+        result = run_system(sc, policy, bar)
+    if plot is not None:
+        plot_run(result, plot)
+    row = result.as_dict()
+    if json_:
+        emit_json(row)
+        return
+    _show(_table(f"{sc.name}: {policy}", {policy: row}, ratios=False))
+    if plot is not None:
+        err.print(f"wrote {plot}")
+
+
+@sim_app.command("compare")
+@handle_errors
+def compare(scenario: ScenarioOpt, set_: SetOpt = None, json_: JsonOpt = False, plot: PlotOpt = None,
+            ablations: Annotated[bool, typer.Option("--ablations", help="Also run the ablations.")] = False) -> None:
+    """Simulate every system on a scenario; ratios to roll and rlboost-plus."""
+    from pearl.sim.experiments import compare as compare_systems
+    from pearl.sim.plot import check_path, plot_comparison
+    from pearl.sim.scenario import load_scenario
+
+    sc = load_scenario(scenario, set_ or [])
+    if plot is not None:
+        check_path(plot)
+    with _Bar(sc.duration_s, enabled=err.is_terminal) as bar:
+        comparison = compare_systems(sc, ablations=ablations, progress=bar)
+    if plot is not None:
+        plot_comparison({**comparison.systems, **comparison.ablations}, plot)
+    data = comparison.as_dict()
+    if json_:
+        emit_json(data)
+        return
+    _show(_table(f"{sc.name}: systems", data["systems"], ratios=True))
+    if data.get("ablations"):
+        _show(_table(f"{sc.name}: ablations", data["ablations"], ratios=True))
+    if plot is not None:
+        err.print(f"wrote {plot}")

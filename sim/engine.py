@@ -7,10 +7,16 @@ running sequence decodes one token. That pause is how prefill interferes with de
 worker. A prefill worker only prefills, then holds the KV until it is transferred; a decode worker
 only decodes sequences whose KV it received.
 
-KV: a request is admitted when its reservation fits (`KVCache`): its whole context plus the tokens it
-will generate (colocated), its context (prefill), or both on the decode side. Finished turns leave
-their context cached on colocated and prefill workers (prefix cache); the next turn of the same
-trajectory there prefills only what is new.
+KV, as SGLang manages it (`KVCache` holds the reservations and the prefix cache): a request is
+admitted when its context fits beside what the running sequences are expected to add, an estimate of
+`new_token_ratio` x min(max_new_tokens left, 4096) per sequence; the ratio starts at 0.7 and decays
+to 0.1 over 600 decode iterations (SGLang's defaults). A decode worker preallocates the context plus
+512 tokens per sequence it holds. Decode grows the KV by one token per sequence per iteration; when
+it runs out, the sequences with the fewest generated tokens are retracted (colocated: back to the
+queue, to be prefilled again; decode worker: back to the router), keeping their progress, and the
+ratio is reset from what the others still need. Finished turns leave their context cached on
+colocated and prefill workers (prefix cache); the next turn of the same trajectory there prefills
+only what is new.
 
 Speed: decode advances in closed form. With B sequences of summed context S, an iteration takes
 alpha(B) + beta*S (`PerfModel.iteration_time` is affine in the context), and S grows by B per
@@ -31,6 +37,13 @@ from .kvcache import KVCache, group_key
 from .trajectories import Trajectory
 
 PREFILL_CHUNK_TOKENS = 8192  # SGLang's chunked_prefill_size on 80 GB GPUs
+# SGLang scheduler defaults (global_config / scheduler): admission estimate and retraction.
+INIT_NEW_TOKEN_RATIO = 0.7
+MIN_NEW_TOKEN_RATIO = 0.1
+NEW_TOKEN_RATIO_DECAY = (INIT_NEW_TOKEN_RATIO - MIN_NEW_TOKEN_RATIO) / 600  # per decode iteration
+CLIP_MAX_NEW_TOKENS = 4096  # cap of max_new_tokens in the admission estimate
+RETRACT_DECODE_STEPS = 20  # a retraction frees room for this many more iterations
+DECODE_RESERVED_TOKENS = 512  # PD decode worker: tokens preallocated per sequence beyond its context
 
 # Request states.
 WAITING = 0  # queued for prefill (colocated or prefill worker)
@@ -48,19 +61,20 @@ IDLE, PREFILL, DECODE, PAUSE = range(4)
 class Request:
     """One turn (or the rest of an interrupted turn) of one trajectory."""
 
-    __slots__ = ("traj", "context", "gen", "cached", "prefilled", "state", "engine", "prefill_engine",
+    __slots__ = ("traj", "context", "gen", "max_new", "cached", "prefilled", "state", "engine", "prefill_engine",
                  "kv", "kv_prefill", "join_counter", "seq")
 
-    def __init__(self, traj: Trajectory, seq: int) -> None:
+    def __init__(self, traj: Trajectory, seq: int, max_new: int | None = None) -> None:
         self.traj = traj
         self.context = traj.context + traj.turn_generated  # tokens in KV before it generates
         self.gen = traj.gen[traj.turn] - traj.turn_generated  # tokens left to generate in this turn
+        self.max_new = self.gen if max_new is None else max(max_new, self.gen)  # the request's max_new_tokens
         self.cached = 0  # tokens of the context found in the prefix cache
         self.prefilled = 0  # tokens prefilled so far, the cached ones included
         self.state = WAITING
         self.engine: Engine | None = None  # the colocated or decode worker that generates
         self.prefill_engine: Engine | None = None  # split mode: the prefill worker
-        self.kv = 0  # tokens reserved on `engine`
+        self.kv = 0  # tokens reserved on `engine` when admitted (its context; decode adds to it)
         self.kv_prefill = 0  # tokens reserved on `prefill_engine`
         self.join_counter = 0  # the engine's decode counter when the request joined the batch
         self.seq = seq  # unique, for deterministic ordering
@@ -109,9 +123,10 @@ class Engine:
     """A worker's engine in one role. The runner calls it at `busy_until` (`wake`) and on changes."""
 
     def __init__(self, worker: int, role: Role, timing: EngineTiming, capacity: int,
-                 sink: list | None = None) -> None:
+                 sink: list | None = None, prefix_cache: bool = True) -> None:
         self.worker = worker
         self.role = role
+        self.prefix_cache = prefix_cache  # off: every turn prefills its whole context (radix cache disabled)
         self.timing = timing
         self.kv = KVCache(capacity)
         self.sink = sink  # iteration records (worker, role, batch, context mean, prefill tokens, seconds)
@@ -130,6 +145,8 @@ class Engine:
         self.k_planned = 0
         self.plan: list[tuple[Request, int]] = []  # the prefill iteration in flight
         self.paused_until = 0.0
+        self.ratio = INIT_NEW_TOKEN_RATIO  # SGLang's new_token_ratio
+        self.retractions = 0
         self.epoch = 0  # bumped whenever busy_until changes; stale wake-ups are ignored
         self.armed = -1  # the epoch the runner last scheduled a wake-up for
         # what it did, for calibration and telemetry
@@ -177,7 +194,8 @@ class Engine:
         self.awaiting.pop(req.seq, None)
         self.kv.free(req.kv_prefill)
         req.kv_prefill = 0
-        self.kv.store(req.traj.id, req.context)
+        if self.prefix_cache:
+            self.kv.store(req.traj.id, req.context)
         return self.kick(now)
 
     def cancel(self, req: Request, now: float) -> list[tuple[str, Request]]:
@@ -277,6 +295,8 @@ class Engine:
         self.decode_tokens += self.batch * k
         self.counter += k
         self.ctx_sum += self.batch * k
+        self.kv.reserved += self.batch * k  # every sequence's KV grew by k tokens
+        self.ratio = max(MIN_NEW_TOKEN_RATIO, self.ratio - k * NEW_TOKEN_RATIO_DECAY)
         heap = self.heap
         while heap and heap[0][0] <= self.counter:
             _, _, req = heapq.heappop(heap)
@@ -284,13 +304,49 @@ class Engine:
             self.ctx_sum -= req.context + req.gen
             req.traj.turn_generated += req.gen
             req.state = FINISHED
-            self.kv.free(req.kv)
+            self.kv.free(req.kv + req.gen)
             req.kv = 0
-            if self.role is Role.COLOCATED:
+            if self.role is Role.COLOCATED and self.prefix_cache:
                 self.kv.store(req.traj.id, req.context + req.gen)
             out.append(("done", req))
         if not heap:
             self.ctx_sum = 0.0  # no drift from float sums
+
+    def _retract(self, out: list[tuple[str, Request]]) -> None:
+        """Out of KV: retract the sequences with the fewest generated tokens (SGLang's order)."""
+        running = sorted((r for _, _, r in self.heap),
+                         key=lambda r: (self.counter - r.join_counter, -r.context, r.seq))
+        victims = 0
+        while len(running) - victims > 1 and \
+                self.kv.capacity - self.kv.reserved < RETRACT_DECODE_STEPS * (len(running) - victims):
+            req = running[victims]
+            victims += 1
+            done = self.counter - req.join_counter
+            self.batch -= 1
+            self.ctx_sum -= req.context + done
+            self.kv.free(req.kv + done)
+            req.kv = 0
+            req.traj.turn_generated += done
+            self.retractions += 1
+            if self.role is Role.DECODE:
+                req.state = ABORTED
+                out.append(("retracted", req))
+                continue
+            if self.prefix_cache:
+                self.kv.store(req.traj.id, req.context)
+            req.context += done
+            req.gen -= done
+            req.max_new -= done
+            req.cached = req.prefilled = 0
+            req.state = WAITING
+            self.waiting.append(req)
+        kept = running[victims:]
+        self.heap = [(r.join_counter + r.gen, r.seq, r) for r in kept]
+        heapq.heapify(self.heap)
+        decoded = sum(self.counter - r.join_counter for r in kept)
+        budget = sum(r.max_new for r in kept)
+        if budget:
+            self.ratio = min(1.0, (decoded + RETRACT_DECODE_STEPS * len(kept)) / budget)
 
     def _finish_prefill(self, now: float, out: list[tuple[str, Request]]) -> None:
         tokens = sum(n for _, n in self.plan)
@@ -303,7 +359,7 @@ class Engine:
             if req.prefilled < req.context:
                 continue
             self.prefilling.remove(req)
-            if req.traj.turn == 0:
+            if req.traj.turn == 0 and self.prefix_cache:
                 self.kv.store(group_key(req.traj.group), req.traj.prompt)
             if self.role is Role.PREFILL:
                 req.state = PREFILLED
@@ -323,24 +379,31 @@ class Engine:
     def _reserve_decode(self, out: list[tuple[str, Request]]) -> None:
         while self.waiting:
             req = self.waiting[0]
-            if not self.kv.reserve(req.context + req.gen):
+            held = self.batch + len(self.inbound) + len(self.joining) + 1
+            if not self.kv.reserve(req.context, extra=DECODE_RESERVED_TOKENS * held):
                 return
             self.waiting.popleft()
-            req.kv = req.context + req.gen
+            req.kv = req.context
             req.state = TRANSFERRING
             self.inbound[req.seq] = req
             out.append(("reserved", req))
 
-    def _admit_prefill(self, req: Request) -> bool:
-        cached = max(self.kv.hit(req.traj.id), self.kv.hit(group_key(req.traj.group)))
-        need = req.context if self.role is Role.PREFILL else req.context + req.gen
+    def _expected_growth(self) -> float:
+        """Tokens the admitted sequences are expected to add: SGLang's admission estimate."""
+        total = sum(min(r.max_new - (self.counter - r.join_counter), CLIP_MAX_NEW_TOKENS) for _, _, r in self.heap)
+        total += sum(min(r.max_new, CLIP_MAX_NEW_TOKENS) for r in self.prefilling)
+        return self.ratio * total
+
+    def _admit_prefill(self, req: Request, growth: float) -> bool:
+        cached = max(self.kv.hit(req.traj.id), self.kv.hit(group_key(req.traj.group))) if self.prefix_cache else 0
         own = req.traj.id if req.traj.id in self.kv.cached else None
-        if not self.kv.reserve(need, take=own):
+        extra = 0 if self.role is Role.PREFILL else int(growth + self.ratio * min(req.max_new, CLIP_MAX_NEW_TOKENS))
+        if not self.kv.reserve(req.context, take=own, extra=extra):
             return False
         if self.role is Role.PREFILL:
-            req.kv_prefill = need
+            req.kv_prefill = req.context
         else:
-            req.kv = need
+            req.kv = req.context
         req.cached = req.prefilled = min(cached, req.context - 1)  # the last token is always computed
         req.state = PREFILLING
         return True
@@ -354,8 +417,10 @@ class Engine:
             budget -= n
             if budget == 0:
                 return plan
-        while budget > 0 and self.waiting and self._admit_prefill(self.waiting[0]):
+        growth = self._expected_growth() if self.waiting and self.role is Role.COLOCATED else 0.0
+        while budget > 0 and self.waiting and self._admit_prefill(self.waiting[0], growth):
             req = self.waiting.popleft()
+            growth += self.ratio * min(req.max_new, CLIP_MAX_NEW_TOKENS)
             self.prefilling.append(req)
             n = min(budget, req.context - req.prefilled)
             plan.append((req, n))
@@ -379,8 +444,12 @@ class Engine:
                 self.kind, self.t0, self.busy_until = PREFILL, now, now + t
                 self.epoch += 1
                 return
+        if self.batch and self.kv.capacity - self.kv.reserved < self.batch:
+            self._retract(out)
         if self.batch:
-            k = self.heap[0][0] - self.counter
+            room = (self.kv.capacity - self.kv.reserved) // self.batch  # iterations before the KV is full
+            k = max(1, min(self.heap[0][0] - self.counter, room))
+            self.kv.make_room(self.batch * k)
             self.kind, self.t0, self.k_planned = DECODE, now, k
             self.busy_until = now + self.timing.decode_time(self.batch, self.ctx_sum, k)
             self.epoch += 1

@@ -40,13 +40,14 @@ class KVCache:
         """Whether a reservation of `tokens` fits once every cached prefix is evicted."""
         return self.reserved + tokens <= self.capacity
 
-    def reserve(self, tokens: int, take: int | None = None) -> bool:
-        """Reserve `tokens`, first taking entry `take` out of the cache (it becomes the request's own)."""
-        if not self.fits(tokens):
+    def reserve(self, tokens: int, take: int | None = None, extra: int = 0) -> bool:
+        """Reserve `tokens` if `tokens + extra` fit (extra: room the running sequences need), first
+        taking entry `take` out of the cache (it becomes the request's own)."""
+        if not self.fits(tokens + extra):
             return False
         if take is not None:
             self.drop(take)
-        self._make_room(tokens)
+        self.make_room(tokens)
         self.reserved += tokens
         return True
 
@@ -58,7 +59,7 @@ class KVCache:
         self.drop(key)
         if tokens <= 0 or not self.fits(tokens):
             return
-        self._make_room(tokens)
+        self.make_room(tokens)
         self.cached[key] = tokens
         self.cached_tokens += tokens
 
@@ -71,7 +72,8 @@ class KVCache:
     def used(self) -> int:
         return self.reserved + self.cached_tokens
 
-    def _make_room(self, tokens: int) -> None:
+    def make_room(self, tokens: int) -> None:
+        """Evict cached prefixes, least recently used first, until `tokens` more fit (if they can)."""
         while self.reserved + self.cached_tokens + tokens > self.capacity and self.cached:
             _, evicted = self.cached.popitem(last=False)
             self.cached_tokens -= evicted

@@ -19,6 +19,7 @@ class Timeline:
     """Samples for `--plot`: generated tokens per bin, GPUs by zone/role, the preemptible trace."""
 
     duration_s: float
+    reserved_gpus: int = 0
     generated_bins: list[int] = field(default_factory=list)
     fleet_samples: list[tuple[float, dict[str, int]]] = field(default_factory=list)
     availability: list[tuple[float, int]] = field(default_factory=list)

@@ -41,8 +41,10 @@ TOGGLE_HISTORY = 8  # borrow cycles whose measured cost the policy sees
 class Simulation:
     """One run of one policy on one scenario."""
 
-    def __init__(self, scenario: Scenario, policy: Policy, progress: Callable[[float], None] | None = None) -> None:
+    def __init__(self, scenario: Scenario, policy: Policy, progress: Callable[[float], None] | None = None,
+                 prefix_cache: bool = True) -> None:
         self.sc = scenario
+        self.prefix_cache = prefix_cache
         self.policy = policy
         self.memory = policy.initial_memory()
         self.progress = progress
@@ -78,12 +80,13 @@ class Simulation:
         self.plans = 0
         self.forced_releases = 0
         self.interrupted = 0
+        self.retracted = 0
         self.turn_tokens = 0  # tokens of finished turns
         self.retired_decode_tokens = 0  # decoded by engines that no longer exist
         self.live = self.env_waiting = 0
         self.live_area = self.decoding_area = 0.0
         self.live_since = 0.0
-        self.timeline = Timeline(scenario.duration_s)
+        self.timeline = Timeline(scenario.duration_s, scenario.cluster.reserved_rollout_gpus)
 
     # -- the loop --------------------------------------------------------------------------------
 
@@ -230,7 +233,7 @@ class Simulation:
 
     def started(self, w: Worker, role: Role, now: float) -> None:
         capacity = self.perf.kv_capacity_tokens
-        w.engine = Engine(w.id, role, self.timing, capacity, self.sink)
+        w.engine = Engine(w.id, role, self.timing, capacity, self.sink, self.prefix_cache)
 
     def loaded(self, w: Worker, now: float) -> None:
         w.weights_version = self.trainer.trained
@@ -259,7 +262,7 @@ class Simulation:
             router.pending.append(traj)
             return
         self.seq += 1
-        req = Request(traj, self.seq)
+        req = Request(traj, self.seq, self.sc.workload.max_context_tokens - traj.context)
         engine = router.front(traj)
         self._outcomes(engine, engine.submit(req, self.now))
 
@@ -269,6 +272,9 @@ class Simulation:
                 self._turn_done(req.traj, engine)
             elif what == "prefilled":
                 self._to_decode(req)
+            elif what == "retracted":  # a decode worker ran out of KV: the turn starts over elsewhere
+                self.retracted += 1
+                self._dispatch(req.traj)
             else:  # reserved on a decode worker: move the KV over the prefill worker's NIC
                 pe = req.prefill_engine
                 start = max(self.now, self.nic_free.get(pe, 0.0))
