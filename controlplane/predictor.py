@@ -342,6 +342,17 @@ class Evaluation:
     components: dict[str, np.ndarray]  # name -> (C,) along the critical path (refined configs only)
     diagnostics: dict[str, np.ndarray]  # name -> (C,)
 
+    def prediction(self, i: int, config: Config) -> Prediction:
+        """The i-th configuration's result as a Prediction."""
+        return Prediction(
+            config=config,
+            makespan_s=float(self.makespan_s[i]),
+            feasible=bool(self.feasible[i]),
+            reason=self.reasons[i],
+            components={name: float(v[i]) for name, v in self.components.items()},
+            diagnostics={name: float(v[i]) for name, v in self.diagnostics.items()},
+        )
+
 
 def evaluate(
     wb: Workbook,
@@ -350,13 +361,15 @@ def evaluate(
     n2: np.ndarray | None = None,
     remaining_fraction: float = 1.0,
     refine: int | None = None,
+    include: tuple[int, ...] = (),
 ) -> Evaluation:
     """Predict C configurations of one mode at once: N = n1 colocated, or N_P = n1, N_D = n2 split.
 
     Pass 1 (all configurations): the round model, alive(k) from turn counts. Pass 2 (the `refine`
-    best of pass 1, all when None): the slowest trajectories are re-timed turn by turn with the
-    load at the time each turn actually runs, alive(τ) = B * P(T > τ) from pass 1: the last
-    trajectories run when most others are done, at small batches.
+    best of pass 1 and the indices in `include`; all when `refine` is None): the slowest
+    trajectories are re-timed turn by turn with the load at the time each turn actually runs,
+    alive(τ) = B * P(T > τ) from pass 1: the last trajectories run when most others are done, at
+    small batches.
     """
     n1 = np.asarray(n1, dtype=float)
     n2 = np.zeros_like(n1) if n2 is None else np.asarray(n2, dtype=float)
@@ -372,7 +385,10 @@ def evaluate(
     )
     lead_total = wb.lead_matrix @ coefficients + wb.lead_constant[split][:, None]
     makespan = wb.lead_weights @ np.sort(lead_total, axis=0)
-    chosen = np.arange(len(n1)) if refine is None else np.sort(np.argsort(makespan, kind="stable")[:refine])
+    if refine is None:
+        chosen = np.arange(len(n1))
+    else:
+        chosen = np.union1d(np.argsort(makespan, kind="stable")[:refine], np.asarray(include, dtype=int))
     components = {name: np.full(len(n1), np.nan) for name in PARTS}
     tail = np.full(len(n1), np.nan)
     if len(chosen):
@@ -528,14 +544,7 @@ def predict(
         ev = evaluate(wb, False, np.array([config.n_colocated]), None, remaining_fraction)
     else:
         ev = evaluate(wb, True, np.array([config.n_prefill]), np.array([config.n_decode]), remaining_fraction)
-    return Prediction(
-        config=config,
-        makespan_s=float(ev.makespan_s[0]),
-        feasible=bool(ev.feasible[0]),
-        reason=ev.reasons[0],
-        components={name: float(v[0]) for name, v in ev.components.items()},
-        diagnostics={name: float(v[0]) for name, v in ev.diagnostics.items()},
-    )
+    return ev.prediction(0, config)
 
 
 def describe(prediction: Prediction) -> dict[str, Any]:

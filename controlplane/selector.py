@@ -137,11 +137,13 @@ def select(
         )
     reference = _continuation(current, budget_workers) if current is not None else None
     wb = prepare(profile)
-    ranked = _rank(profile, wb, budget_workers, remaining_fraction, refine, reference)
+    ranked, exact = _rank(profile, wb, budget_workers, remaining_fraction, refine, reference)
     feasible = [c for c in ranked if c.feasible]
 
     def outcome(chosen: Config | None, forced: bool, reason: str, decision: SwitchDecision | None = None) -> Selection:
-        prediction = predict(profile, chosen, remaining_fraction, wb) if chosen is not None else None
+        prediction = None
+        if chosen is not None:
+            prediction = exact.get(chosen) or predict(profile, chosen, remaining_fraction, wb)
         best = feasible[0].config if feasible else None
         return Selection(chosen, best, current, tuple(ranked), forced, reason, decision, prediction, symbols)
 
@@ -189,34 +191,32 @@ def _refill_s(profile: Profile, config: Config, remaining_fraction: float) -> fl
 
 def _rank(
     profile: Profile, wb: Workbook, n: int, remaining_fraction: float, refine: int, reference: Config | None
-) -> list[Candidate]:
-    p = np.arange(1, n, dtype=float)
-    coloc = evaluate(wb, False, np.array([float(n)]), None, remaining_fraction)
+) -> tuple[list[Candidate], dict[Config, Prediction]]:
+    """Every candidate, ranked, and the full predictions of those the tail model timed."""
     sym = profile.symbols()
     common = {k: sym[k] for k in ("S", "B", "r", "t_p", "A", "b")} | {"delta_l": sym["dL"]}
-    out = [
-        Candidate(
-            Config.colocated(n),
-            float(coloc.makespan_s[0]),
-            bool(coloc.feasible[0]),
-            coloc.reasons[0],
-            True,
-            float(makespan_colocated_paper(N=n, T_over=profile.t_over_s, T_env=profile.T_env, **common)),
-        )
-    ]
+    coloc_config = Config.colocated(n)
+    coloc = evaluate(wb, False, np.array([float(n)]), None, remaining_fraction)
+    paper = float(makespan_colocated_paper(N=n, T_over=profile.t_over_s, T_env=profile.T_env, **common))
+    out = [Candidate(coloc_config, float(coloc.makespan_s[0]), bool(coloc.feasible[0]), coloc.reasons[0], True, paper)]
+    exact = {coloc_config: coloc.prediction(0, coloc_config)}
     if n >= 2:
-        split = evaluate(wb, True, p, n - p, remaining_fraction, refine=refine)
-        paper = makespan_disaggregated_paper(
+        p = np.arange(1, n, dtype=float)
+        include = (reference.n_prefill - 1,) if reference is not None and reference.n_prefill else ()
+        split = evaluate(wb, True, p, n - p, remaining_fraction, refine=refine, include=include)
+        papers = makespan_disaggregated_paper(
             N_P=p, N_D=n - p, theta=profile.theta, K=profile.K, BW=profile.BW, T_env=profile.T_env, **common
+        ).tolist()
+        configs = [Config.split(i, n - i) for i in range(1, n)]
+        rows = zip(
+            configs,
+            split.makespan_s.tolist(),
+            split.feasible.tolist(),
+            split.reasons,
+            split.refined.tolist(),
+            papers,
+            strict=True,
         )
-        out.extend(
-            Candidate(Config.split(int(p[i]), n - int(p[i])), float(split.makespan_s[i]), bool(split.feasible[i]),
-                      split.reasons[i], bool(split.refined[i]), float(paper[i]))
-            for i in range(len(p))
-        )  # fmt: skip
-    for i, c in enumerate(out):
-        if c.config == reference and not c.refined:
-            # the reference is compared with the best, so it gets the tail model too
-            exact = predict(profile, c.config, remaining_fraction, wb)
-            out[i] = Candidate(c.config, exact.makespan_s, exact.feasible, exact.reason, True, c.paper_s)
-    return sorted(out, key=lambda c: (not c.feasible, c.predicted_s, c.config))
+        out.extend(Candidate(*row) for row in rows)
+        exact.update({configs[i]: split.prediction(i, configs[i]) for i in np.flatnonzero(split.refined)})
+    return sorted(out, key=lambda c: (not c.feasible, c.predicted_s, c.config)), exact

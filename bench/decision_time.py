@@ -1,0 +1,139 @@
+"""Decision time of the pure core: select() + orchestrate() for clusters of 16 to 4096 GPUs.
+
+Prints one JSON object. Each repetition starts from a fresh profile (as after a telemetry refit:
+its trajectory sample and the predictor's matrices are rebuilt, nothing cached), ranks colocated
+and every N_P:N_D split of the budget, and expands the chosen target into a plan against a fleet
+running another split (a mode change: the largest plan). The baseline, measured in the same run,
+is the paper's closed-form formulas evaluated for the same candidates. The fleet runs a 1:3 split on
+three quarters of the budget and the rest was just granted (preemptible GPUs arriving): the budget
+change forces a decision, and the plan starts the new workers and flips or restarts survivors.
+
+    .venv/bin/python bench/decision_time.py [--gpus 16,64,256,1024,4096] [--repeat 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+from pearl.controlplane.catalog import default_catalog
+from pearl.controlplane.domain import Activity, Role, WorkerZone
+from pearl.controlplane.fleet import FleetSnapshot, Target, WorkerSlot
+from pearl.controlplane.orchestrator import orchestrate
+from pearl.controlplane.perfmodel import PerfModel
+from pearl.controlplane.predictor import Config, makespan_colocated_paper, makespan_disaggregated_paper, prepare
+from pearl.controlplane.profile import profile_from_workload
+from pearl.controlplane.selector import select
+from pearl.sim.scenario import load_scenario
+
+SCENARIO = Path(__file__).resolve().parents[1] / "sim" / "scenarios" / "paper-qwen3-8b-seg1.yaml"
+TARGET_MS = 100.0
+
+
+def fleet(workers: int, current: Config, tp: int) -> FleetSnapshot:
+    """`workers` slots; the first `current.workers` active in `current`'s roles, the rest idle."""
+    roles = [Role.PREFILL] * current.n_prefill + [Role.DECODE] * current.n_decode
+    roles += [Role.COLOCATED] * (workers - len(roles))
+    slots = tuple(
+        WorkerSlot(i, f"node-{i // 4}", tuple(range(tp * (i % 4), tp * (i % 4) + tp)), WorkerZone.DEDICATED, role,
+                   Activity.ACTIVE if i < current.workers else Activity.INACTIVE)
+        for i, role in enumerate(roles)
+    )  # fmt: skip
+    return FleetSnapshot(state_version=1, workers=slots, tp=tp)
+
+
+def paper_baseline(profile, n: int) -> float:
+    sym = profile.symbols()
+    common = {k: sym[k] for k in ("S", "B", "r", "t_p", "A", "b")} | {"delta_l": sym["dL"]}
+    p = np.arange(1, n, dtype=float)
+    split = makespan_disaggregated_paper(
+        N_P=p, N_D=n - p, theta=profile.theta, K=profile.K, BW=profile.BW, T_env=profile.T_env, **common
+    )
+    coloc = makespan_colocated_paper(N=n, T_over=profile.t_over_s, T_env=profile.T_env, **common)
+    return float(min(coloc, split.min() if len(p) else coloc))
+
+
+def ms(xs: list[float]) -> dict[str, float]:
+    qs = np.percentile(xs, [10, 50, 90]) * 1e3
+    return {"median_ms": round(float(qs[1]), 3), "p10_ms": round(float(qs[0]), 3), "p90_ms": round(float(qs[2]), 3)}
+
+
+def run(gpus: int, repeat: int, prior, tp: int) -> dict:
+    n = gpus // tp
+    running = max(2, 3 * n // 4)
+    current = Config.split(max(1, running // 4), running - max(1, running // 4))
+    snapshot = fleet(n, current, tp)
+    total, sel_t, orch_t, base_t = [], [], [], []
+    steps = 0
+    chosen = None
+    for _ in range(repeat):
+        profile = replace(prior)  # a new object: its sample and the predictor's matrices are rebuilt
+        prepare.cache_clear()
+        t0 = time.perf_counter()
+        selection = select(profile, n, current, horizon_s=3600.0)
+        t1 = time.perf_counter()
+        target = Target(frozenset(range(n)), selection.chosen.counts(), reason=selection.reason)
+        plan = orchestrate(snapshot, target)
+        t2 = time.perf_counter()
+        paper_baseline(profile, n)
+        t3 = time.perf_counter()
+        sel_t.append(t1 - t0)
+        orch_t.append(t2 - t1)
+        total.append(t2 - t0)
+        base_t.append(t3 - t2)
+        steps, chosen = len(plan.steps), selection.chosen
+    median, base = statistics.median(total), statistics.median(base_t)
+    return {
+        "gpus": gpus,
+        "workers": n,
+        "candidates": n,
+        "running": current.label,
+        "chosen": chosen.label if chosen else None,
+        "plan_steps": steps,
+        **ms(total),
+        "select": ms(sel_t),
+        "orchestrate": ms(orch_t),
+        "baseline_paper_formulas": ms(base_t),
+        "ratio_to_baseline": round(median / base, 1) if base > 0 else None,
+        "under_target": median * 1e3 < TARGET_MS,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gpus", default="16,64,256,1024,4096")
+    parser.add_argument("--repeat", type=int, default=7)
+    args = parser.parse_args()
+    sc = load_scenario(SCENARIO)
+    cat = default_catalog()
+    perf = PerfModel(cat.model(sc.model), cat.gpu(sc.gpu), sc.tp)
+    prior = profile_from_workload(sc.workload, perf)
+    select(prior, 8)  # warm up imports and numpy
+    results = [run(int(g), args.repeat, prior, sc.tp) for g in args.gpus.split(",")]
+    print(
+        json.dumps(
+            {
+                "bench": "decision_time",
+                "scenario": sc.name,
+                "model": sc.model,
+                "gpu": sc.gpu,
+                "tp": sc.tp,
+                "repeat": args.repeat,
+                "target_ms": TARGET_MS,
+                "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+                "results": results,
+            },
+            indent=2,
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
