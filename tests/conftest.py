@@ -203,3 +203,28 @@ def pearlctl(database_url: str, pearlctl_env: dict[str, str]) -> Callable[..., s
                               capture_output=True, text=True, timeout=timeout)
 
     return run
+
+
+# A small cluster: 2 overlap slots on train-0, 1 dedicated slot on roll-0, 1 on spot-0 (tp 2).
+SMALL_INVENTORY = {
+    "model": "qwen3-8b",
+    "gpu": "h800",
+    "tp": 2,
+    "nodes": [
+        {"name": "train-0", "zone": "training", "gpus": 4, "address": "127.0.0.1"},
+        {"name": "roll-0", "zone": "rollout", "gpus": 2, "address": "127.0.0.1"},
+        {"name": "spot-0", "zone": "preemptible", "gpus": 2, "address": "127.0.0.1"},
+    ],
+}
+
+
+@pytest.fixture
+def cluster_engine(db_engine: Engine) -> Engine:
+    """`db_engine` with SMALL_INVENTORY imported and committed."""
+    from pearl.controlplane.cluster import import_inventory
+    from pearl.controlplane.db import transaction
+    from pearl.controlplane.inventory import parse_inventory
+
+    with transaction(db_engine, actor="test") as session:
+        import_inventory(session, parse_inventory(SMALL_INVENTORY))
+    return db_engine
