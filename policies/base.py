@@ -33,6 +33,9 @@ class Signals:
     deadlines: Mapping[int, float] = field(default_factory=dict)  # worker -> release-by time (notices)
     telemetry: StepTelemetry | None = None  # of the last finished rollout step
     toggle_costs: tuple[float, ...] = ()  # measured activation + return seconds of recent borrow cycles
+    toggle_cycles: int = 0  # borrow cycles measured since the run began (toggle_costs keeps the latest)
+    step_durations: Mapping[str, float] = field(default_factory=dict)  # latest measured seconds per action
+    # (start_dedicated, start_overlap, load_weights, admit, flip_role, release_overlap), for the switch costs
     weights_version: int = 0
     plans_in_flight: int = 0  # plans being enacted
     last_training_s: float | None = None  # how long the last optimizer step took
@@ -67,5 +70,9 @@ def colocated(members: Iterable[int], reason: str) -> Target:
 def split(members: Iterable[int], prefill: int, reason: str, pinned: Mapping[int, Role] | None = None) -> Target:
     """`prefill` members serve prefill, the others decode."""
     ids = frozenset(members)
-    return Target(members=ids, counts={Role.PREFILL: prefill, Role.DECODE: len(ids) - prefill},
-                  pinned=dict(pinned or {}), reason=reason)
+    return Target(
+        members=ids,
+        counts={Role.PREFILL: prefill, Role.DECODE: len(ids) - prefill},
+        pinned=dict(pinned or {}),
+        reason=reason,
+    )

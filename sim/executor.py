@@ -46,7 +46,7 @@ class Actuator(Protocol):
 
 
 class StepRun:
-    __slots__ = ("plan", "step", "worker", "status", "waiting_on", "dependents", "end")
+    __slots__ = ("plan", "step", "worker", "status", "waiting_on", "dependents", "begin", "end")
 
     def __init__(self, plan: PlanRun, step: PlanStep, worker: Worker) -> None:
         self.plan = plan
@@ -55,6 +55,7 @@ class StepRun:
         self.status = BLOCKED
         self.waiting_on = len(step.after)
         self.dependents: list[StepRun] = []
+        self.begin = 0.0
         self.end = 0.0
 
 
@@ -83,6 +84,7 @@ class Executor:
         self.idle_waiters: dict[int, StepRun] = {}  # worker -> flip waiting for its server to drain
         self.release_waiters: dict[int, list[StepRun]] = {}  # worker -> first steps waiting for a release
         self.cancelled_groups = 0
+        self.durations: dict[str, float] = {}  # latest measured seconds per action kind (policies' costs)
 
     @property
     def in_flight(self) -> bool:
@@ -181,6 +183,7 @@ class Executor:
         elif a is StepAction.FLIP_ROLE:
             self.act.stop(w, now)
         d = self._duration(run)
+        run.begin = now
         if d <= 0:
             self._complete(run, now)
         else:
@@ -193,6 +196,7 @@ class Executor:
         if not w.holds_gpus:
             self.act.bound(w, now)
         run.status = RUNNING
+        run.begin = now
         run.end = now + self.cost.cold_start_s + self.weight_sync_s
         self.act.schedule(run.end, run)
 
@@ -209,6 +213,9 @@ class Executor:
 
     def _complete(self, run: StepRun, now: float) -> None:
         a, w = run.step.action, run.worker
+        if run.end:
+            kind = f"{a}_{w.zone}" if a in (StepAction.START, StepAction.RELEASE) else str(a)
+            self.durations[kind] = now - run.begin
         run.status = DONE
         pr = run.plan
         pr.open -= 1

@@ -144,6 +144,7 @@ class Simulation:
             remaining=self.remaining, training=tr.training, training_wanted=tr.wanted_since is not None,
             deadlines={w.id: w.deadline for w in self.cluster.workers if w.deadline is not None},
             telemetry=self.telemetry, toggle_costs=tuple(self.toggle_costs[-TOGGLE_HISTORY:]),
+            toggle_cycles=len(self.toggle_costs), step_durations=dict(self.executor.durations),
             weights_version=tr.trained, plans_in_flight=len(self.executor.plans),
             last_training_s=(tr.step_times[-1][1] - tr.step_times[-1][0]) if tr.step_times else None,
         )
