@@ -1,0 +1,67 @@
+"""The baselines' decisions on snapshots: dedicated GPUs only, colocated, notices honoured."""
+
+from __future__ import annotations
+
+import pytest
+from pearl.controlplane.domain import Activity, Role, WorkerZone
+from pearl.controlplane.fleet import FleetSnapshot, WorkerSlot
+from pearl.controlplane.orchestrator import orchestrate
+from pearl.policies.base import NoMemory, Signals, colocated, split
+from pearl.policies.baselines import ElasticColocated, StaticColocated
+from pearl.policies.elasticity import dedicated_capacity, must_leave, overlap_capacity, split_survives
+
+pytestmark = pytest.mark.unit
+
+
+def _slot(wid: int, zone: WorkerZone = WorkerZone.DEDICATED, available: bool = True,
+          active: bool = False, role: Role = Role.COLOCATED) -> WorkerSlot:
+    return WorkerSlot(id=wid, node="n", gpus=(2 * wid, 2 * wid + 1), zone=zone, role=role,
+                      activity=Activity.ACTIVE if active else Activity.INACTIVE, available=available)
+
+
+def _signals(**kw) -> Signals:
+    base = dict(now=0.0, event="grant", rollout_step=0, batch_size=64, remaining=64, training=False,
+                training_wanted=False)
+    return Signals(**{**base, **kw})
+
+
+SNAPSHOT = FleetSnapshot(1, (
+    _slot(0, active=True), _slot(1, active=True),  # reserved
+    _slot(2, active=True, available=False),  # preemptible under a notice
+    _slot(3), _slot(4, available=False),  # preemptible: granted, not granted
+    _slot(5, WorkerZone.OVERLAP, role=Role.TRAINING), _slot(6, WorkerZone.OVERLAP, role=Role.TRAINING),
+), tp=2)
+
+
+@pytest.mark.parametrize("policy", [StaticColocated(), ElasticColocated()])
+def test_baselines_use_available_dedicated_slots_colocated_and_never_borrow(policy):
+    target, memory = policy.decide(SNAPSHOT, _signals(deadlines={2: 30.0}), policy.initial_memory())
+    assert memory == NoMemory()
+    assert target.members == {0, 1, 3}
+    assert target.counts == {Role.COLOCATED: 3}
+    plan = orchestrate(SNAPSHOT, target)
+    assert plan.remove == {2} and plan.add == {3}  # the noticed worker leaves, the granted one joins
+
+
+def test_elastic_reason_names_the_workers_it_releases():
+    target, _ = ElasticColocated().decide(SNAPSHOT, _signals(deadlines={2: 30.0}), NoMemory())
+    assert "[2]" in target.reason
+
+
+def test_elasticity_helpers():
+    assert [w.id for w in dedicated_capacity(SNAPSHOT)] == [0, 1, 3]
+    assert [w.id for w in overlap_capacity(SNAPSHOT)] == [5, 6]
+    assert [w.id for w in must_leave(SNAPSHOT)] == [2]
+    split_fleet = FleetSnapshot(1, (_slot(0, active=True, role=Role.PREFILL), _slot(1, active=True, role=Role.DECODE),
+                                    _slot(2, active=True, role=Role.DECODE)))
+    assert split_survives(split_fleet, frozenset({0, 2}))
+    assert not split_survives(split_fleet, frozenset({1, 2}))  # its only prefill worker is gone: forced switch
+
+
+def test_target_builders():
+    t = colocated([3, 1], "r")
+    assert t.members == {1, 3} and t.counts == {Role.COLOCATED: 2} and t.reason == "r"
+    assert colocated([], "nothing").counts == {}
+    s = split([0, 1, 2], 1, "r", pinned={0: Role.PREFILL})
+    assert s.counts == {Role.PREFILL: 1, Role.DECODE: 2} and s.pinned == {0: Role.PREFILL}
+    assert _signals(remaining=16).remaining_fraction == 0.25

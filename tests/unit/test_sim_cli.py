@@ -1,0 +1,106 @@
+"""`pearlctl sim run | compare`: JSON contracts, tables, plots, and bad input (exit 2, the key named)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from pearl.cli.app import app
+from typer.testing import CliRunner
+
+pytestmark = pytest.mark.unit
+
+RUN_KEYS = {"scenario", "policy", "tokens_per_s", "rollout_steps", "gpu_seconds", "reconfigurations"}
+SHORT = ["--set", "duration_s=1200"]
+
+
+@pytest.fixture
+def cli():
+    runner = CliRunner()
+
+    def invoke(*args: str):
+        return runner.invoke(app, list(args))
+
+    return invoke
+
+
+def test_run_json_is_one_object_with_the_required_keys(cli):
+    res = cli("sim", "run", "--scenario", "paper-qwen3-8b-seg2", "--policy", "rlboost-plus", *SHORT, "--json")
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.stdout)
+    assert RUN_KEYS <= data.keys()
+    assert data["policy"] == "rlboost-plus" and data["scenario"] == "paper-qwen3-8b-seg2"
+    assert data["tokens_per_s"] > 0 and data["gpu_seconds"] > 0
+
+
+def test_set_overrides_reach_the_simulation(cli):
+    small = json.loads(cli("sim", "run", "--scenario", "paper-qwen3-8b-seg2", "--policy", "roll", *SHORT,
+                           "--set", "cluster.reserved_rollout_gpus=2", "--json").stdout)
+    assert small["gpu_seconds"] == pytest.approx(2 * 1200)
+
+
+def test_compare_json_has_every_system_and_the_ratios(cli):
+    res = cli("sim", "compare", "--scenario", "paper-qwen3-8b-seg1", *SHORT, "--json")
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.stdout)
+    assert data["scenario"] == "paper-qwen3-8b-seg1"
+    assert set(data["systems"]) == {"roll", "roll-large", "rlboost-plus"}
+    for row in data["systems"].values():
+        assert RUN_KEYS - {"scenario", "policy"} <= row.keys()
+    assert data["systems"]["roll"]["vs_roll"] == 1.0
+    rlb = data["systems"]["rlboost-plus"]
+    assert rlb["vs_roll"] == pytest.approx(rlb["tokens_per_s"] / data["systems"]["roll"]["tokens_per_s"], rel=1e-3)
+    assert "ablations" not in data
+    with_ablations = json.loads(cli("sim", "compare", "--scenario", "paper-qwen3-8b-seg1", *SHORT, "--ablations",
+                                    "--json").stdout)
+    assert "ablations" in with_ablations and not set(with_ablations["ablations"]) & set(with_ablations["systems"])
+
+
+def test_compare_table_names_every_system(cli):
+    res = cli("sim", "compare", "--scenario", "paper-qwen3-8b-seg1", *SHORT)
+    assert res.exit_code == 0
+    for name in ("roll", "roll-large", "rlboost-plus"):
+        assert name in res.stdout
+
+
+def test_plot_writes_a_png(cli, tmp_path: Path):
+    png = tmp_path / "run.png"
+    res = cli("sim", "run", "--scenario", "paper-qwen3-8b-seg1", "--policy", "rlboost-plus", *SHORT,
+              "--plot", str(png), "--json")
+    assert res.exit_code == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    both = tmp_path / "compare.png"
+    assert cli("sim", "compare", "--scenario", "paper-qwen3-8b-seg1", *SHORT, "--plot", str(both)).exit_code == 0
+    assert both.stat().st_size > 10_000
+
+
+@pytest.mark.parametrize(("args", "needle"), [
+    (["--policy", "nope"], "known: roll, roll-large, rlboost-plus"),
+    (["--policy", "roll", "--set", "workload.batch_size=abc"], "workload.batch_size"),
+    (["--policy", "roll", "--set", "workload.colour=red"], "workload.colour"),
+    (["--policy", "roll", "--set", "cluster.reserved_rollout_gpus=3"], "cluster.reserved_rollout_gpus"),
+    (["--policy", "roll", "--set", "nokey"], "--set"),
+    (["--policy", "roll", "--plot", "/nonexistent/dir/x.png"], "--plot"),
+    (["--policy", "roll", "--plot", "x.jpg"], "--plot"),
+])
+def test_bad_input_exits_2_naming_the_field(cli, args, needle, tmp_path):
+    res = cli("sim", "run", "--scenario", "paper-qwen3-8b-seg1", *args)
+    assert res.exit_code == 2
+    assert needle in res.stderr
+    assert res.stdout == ""
+
+
+def test_a_missing_scenario_exits_2(cli, tmp_path):
+    res = cli("sim", "compare", "--scenario", str(tmp_path / "none.yaml"))
+    assert res.exit_code == 2 and "--scenario" in res.stderr
+
+
+def test_the_installed_command_prints_json_only_on_stdout(tmp_path):
+    exe = Path(sys.executable).with_name("pearlctl")
+    proc = subprocess.run([str(exe), "sim", "run", "--scenario", "paper-qwen3-30b-a3b-seg3", "--policy", "roll",
+                           *SHORT, "--json"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert RUN_KEYS <= json.loads(proc.stdout).keys()

@@ -1,0 +1,151 @@
+"""Whole runs: determinism, trace replay, preemption with notice, partial trajectories never lost,
+the metric, borrowing's mandatory return, and the telemetry each rollout step emits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+from pearl.policies.base import NoMemory, colocated
+from pearl.policies.borrowing import borrowable
+from pearl.policies.elasticity import dedicated_capacity
+from pearl.sim.experiments import run_system
+from pearl.sim.runner import Simulation
+from pearl.sim.scenario import load_scenario
+from pearl.sim.systems import system
+from pearl.sim.trajectories import sample_batch
+
+pytestmark = pytest.mark.unit
+
+SHORT = ["duration_s=2400"]
+
+
+def _sim(name: str, overrides: list[str] | None = None, scenario: str = "paper-qwen3-8b-seg1") -> Simulation:
+    chosen = system(name)
+    sc = chosen.cluster(load_scenario(scenario, overrides or SHORT))
+    return Simulation(sc, chosen.policy(sc))
+
+
+@dataclass(frozen=True)
+class GreedyBorrow:
+    """Test policy: every dedicated slot and every borrowable training slot, colocated."""
+
+    name: str = "greedy-borrow"
+
+    def initial_memory(self) -> NoMemory:
+        return NoMemory()
+
+    def decide(self, snapshot, signals, memory):
+        members = [w.id for w in dedicated_capacity(snapshot)] + [w.id for w in borrowable(snapshot, signals)]
+        return colocated(members, "greedy"), memory
+
+
+def _without_time(d: dict) -> dict:
+    return {k: v for k, v in d.items() if k != "wall_s"}
+
+
+def test_a_run_is_deterministic():
+    a, b = _sim("rlboost-plus"), _sim("rlboost-plus")
+    ra, rb = a.run(), b.run()
+    assert _without_time(ra.as_dict()) == _without_time(rb.as_dict())
+    assert a.telemetry == b.telemetry
+    assert ra.timeline.generated_bins == rb.timeline.generated_bins
+
+
+def test_the_metric_counts_each_trained_batch_once():
+    sim = _sim("roll")
+    r = sim.run()
+    sc = sim.sc
+    expected = sum(t.metric_tokens for k in range(r.training_steps)
+                   for t in sample_batch(sc.workload, sc.seed, k))
+    assert r.tokens_per_s * sc.duration_s == pytest.approx(expected)
+    assert r.rollout_steps >= r.training_steps > 0
+
+
+def test_static_baselines_hold_their_gpus_and_never_reconfigure():
+    for name, gpus in (("roll", 4), ("roll-large", 14)):
+        r = _sim(name).run()
+        assert r.gpu_seconds == pytest.approx(gpus * 2400)
+        assert r.reconfigurations == r.plans == r.interrupted_requests == 0
+
+
+def test_the_preemptible_trace_is_replayed_and_notices_are_honoured():
+    sim = _sim("rlboost-plus")
+    r = sim.run()
+    tl = r.timeline
+    notice = sim.sc.cluster.preemptible.notice_s
+    reserved = sim.sc.cluster.reserved_rollout_gpus
+
+    def level(u: float) -> int:
+        return [g for at, g in tl.availability if at <= u][-1]
+
+    for t, counts in tl.fleet_samples:
+        # GPUs under a notice may stay until it runs out: the highest level of the last notice_s
+        window = [level(max(t - notice, 0.0))] + [g for at, g in tl.availability if t - notice < at <= t]
+        assert sum(counts.values()) <= reserved + max(window)
+    assert r.forced_releases == 0  # drained and released before every notice ran out
+    assert r.plans > 0 and r.reconfigurations >= r.plans
+    changes = {t for t, _ in tl.availability}
+    assert len(changes) > 5
+
+
+def test_partial_trajectories_are_never_lost():
+    for overrides in (SHORT, [*SHORT, "cluster.preemptible.notice_s=0"]):
+        sim = _sim("rlboost-plus", overrides)
+        r = sim.run()
+        decoded, held = sim.token_balance()
+        assert r.interrupted_requests > 0
+        assert decoded == held  # every decoded token is in some trajectory, exactly once
+    assert r.forced_releases > 0  # no notice: the GPUs went before the policy could drain them
+
+
+def test_borrowed_gpus_return_before_every_training_step():
+    sc = load_scenario("paper-qwen3-8b-seg2", SHORT)
+    sim = Simulation(sc, GreedyBorrow())
+    starts = []
+    original = sim.trainer.start_training
+
+    def start(now: float) -> float:
+        assert not any(w.holds_gpus for w in sim.cluster.overlap)
+        starts.append(now)
+        return original(now)
+
+    sim.trainer.start_training = start
+    r = sim.run()
+    assert len(starts) == r.training_steps + (1 if sim.trainer.training else 0)
+    # the greedy policy never returns early: each step waits for the return (toggle_off_s)
+    assert r.late_returns == len(starts)
+    assert r.lateness_s == pytest.approx(len(starts) * sc.reconfig.toggle_off_s)
+    assert sim.toggle_costs and set(sim.toggle_costs) == {sc.reconfig.toggle_on_s + sc.training.weight_sync_s
+                                                          + sc.reconfig.toggle_off_s}
+    decoded, held = sim.token_balance()
+    assert decoded == held
+
+
+def test_every_rollout_step_emits_valid_telemetry():
+    sim = _sim("roll")
+    seen = []
+    original = sim._step_telemetry
+
+    def capture(step: int):
+        tel = original(step)
+        seen.append(tel)
+        return tel
+
+    sim._step_telemetry = capture
+    r = sim.run()
+    assert [t.step for t in seen] == list(range(r.rollout_steps))
+    for tel in seen:
+        assert tel.batch_size == len(tel.trajectories) == sim.sc.workload.batch_size
+        assert 0 < tel.decode_fraction <= 1
+        assert 0 < len(tel.iterations) <= 64
+        assert {i.role.value for i in tel.iterations} == {"colocated"}
+        assert any(i.prefill_tokens > 0 for i in tel.iterations) or any(i.batch > 0 for i in tel.iterations)
+
+
+def test_run_system_uses_the_systems_cluster():
+    sc = load_scenario("paper-qwen3-30b-a3b-seg2", SHORT)
+    seen = []
+    r = run_system(sc, "roll-large", progress=lambda name, t: seen.append(name))
+    assert r.policy == "roll-large" and r.gpu_seconds == pytest.approx(10 * 2400)
+    assert seen and set(seen) == {"roll-large"}
