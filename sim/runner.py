@@ -58,6 +58,7 @@ class Simulation:
         self.executor = Executor(scenario.reconfig, scenario.training.weight_sync_s, self, self.workers)
         self.heap: list[tuple] = []
         self.seq = 0
+        self.events = 0
         self.now = 0.0
         self.version = 0
         self.sink: list[tuple] = []
@@ -96,6 +97,12 @@ class Simulation:
 
     def run(self) -> Result:
         wall = time.perf_counter()
+        self.begin()
+        self.advance(self.sc.duration_s)
+        return self.finish(time.perf_counter() - wall)
+
+    def begin(self) -> None:
+        """t=0: the trace's first grant, the policy's first fleet, the first rollout step."""
         changes = availability_changes(self.sc)
         if changes and changes[0].t == 0:
             self._trace(changes.pop(0), initial=True)
@@ -103,14 +110,14 @@ class Simulation:
             self.push(change.t, EV_TRACE, change)
         self._install()
         self._try_rollout()
-        end = self.sc.duration_s
-        heap, events, next_report = self.heap, 0, 0.0
-        while heap:
+
+    def advance(self, until: float) -> None:
+        """Process every event up to `until` (a run can be paused, copied and resumed: the oracle)."""
+        heap, next_report = self.heap, self.now
+        while heap and heap[0][0] <= until:
             t, _, kind, a, b = heapq.heappop(heap)
-            if t > end:
-                break
             self.now = t
-            events += 1
+            self.events += 1
             if kind == EV_WAKE:
                 if a.epoch == b and a.busy_until == t:
                     self._outcomes(a, a.wake(t))
@@ -131,9 +138,11 @@ class Simulation:
             if self.progress is not None and t >= next_report:
                 self.progress(t)
                 next_report = t + 60.0
-        self.now = end
+        self.now = max(self.now, until)
+
+    def finish(self, wall_s: float = 0.0) -> Result:
         self._count_gpus(0)
-        return self._result(events, time.perf_counter() - wall)
+        return self._result(self.events, wall_s)
 
     # -- policy ----------------------------------------------------------------------------------
 

@@ -149,3 +149,17 @@ def test_run_system_uses_the_systems_cluster():
     r = run_system(sc, "roll-large", progress=lambda name, t: seen.append(name))
     assert r.policy == "roll-large" and r.gpu_seconds == pytest.approx(10 * 2400)
     assert seen and set(seen) == {"roll-large"}
+
+
+def test_a_paused_run_can_be_copied_and_resumed():
+    import copy
+
+    whole = _sim("rlboost-plus").run().as_dict()
+    sim = _sim("rlboost-plus")
+    sim.begin()
+    sim.advance(1000.0)
+    fork = copy.deepcopy(sim)
+    fork.advance(sim.sc.duration_s)
+    sim.advance(sim.sc.duration_s)
+    results = [_without_time(r.as_dict()) for r in (fork.finish(), sim.finish())]
+    assert results[0] == results[1] == _without_time(whole)
