@@ -28,6 +28,7 @@ import math
 from dataclasses import dataclass, field
 from enum import StrEnum
 from functools import cached_property
+from statistics import NormalDist
 from typing import Any
 
 import numpy as np
@@ -37,9 +38,13 @@ from .errors import BadInput
 from .perfmodel import PerfModel
 from .workload import Workload
 
+_NORMAL = NormalDist()
+
 DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # where the decode base curve is tabulated
 PREFILL_CHUNK_TOKENS = 2048  # t_p is measured on chunks of this size (the method's "per token")
 POOL_SIZE = 512  # quantiles kept per workload quantity
+DRAW_BLOCK = 8  # turns drawn at a time for the sample
+TAIL_Z = 4.4  # the pools reach the quantiles at normal scores ±4.4 (probability 5e-6 beyond each end)
 SAMPLE_SIZE = 2048  # synthetic trajectories the predictor times (std of the expected max ~2% at B=64)
 SAMPLE_SEED = 20240917  # fixed: the sample is a deterministic function of the pools
 BATCH_HINT_WORKERS = 8  # A and b are a secant around B/8 decoding sequences per worker
@@ -99,11 +104,13 @@ class EngineProfile:
 
 @dataclass(frozen=True)
 class WorkloadPools:
-    """The workload as quantile pools: n values at evenly spaced probabilities, one pool per quantity.
+    """The workload as quantile pools: one value per CDF level, one pool per quantity.
 
     Turns are the intended number of turns (before the context cap ends a trajectory); per-turn
     quantities are independent draws per turn. The prior's pools are the scenario distributions'
-    quantiles (no sampling noise); fitted pools come from telemetry (`tracker`).
+    quantiles (no sampling noise); fitted pools come from telemetry (`tracker`). The levels are
+    spaced evenly in normal score up to ±TAIL_Z, so the far tail is kept: the slowest of 64
+    trajectories is decided by environment waits of one draw in ten thousand.
     """
 
     prompt_tokens: tuple[float, ...]
@@ -111,6 +118,21 @@ class WorkloadPools:
     gen_tokens: tuple[float, ...]  # generated per turn
     obs_tokens: tuple[float, ...]  # appended by the environment after a turn
     env_s: tuple[float, ...]  # environment time after a turn that another turn follows
+    levels: tuple[float, ...] = ()  # CDF level of each pool entry; () means (i + 1/2)/n
+
+    def cdf_levels(self, n: int) -> np.ndarray:
+        return np.asarray(self.levels) if self.levels else (np.arange(n) + 0.5) / n
+
+
+def pool_levels(n: int = POOL_SIZE) -> tuple[float, ...]:
+    """n CDF levels evenly spaced in normal score over [-TAIL_Z, TAIL_Z]."""
+    return tuple(_NORMAL.cdf(float(z)) for z in np.linspace(-TAIL_Z, TAIL_Z, n))
+
+
+def level_masses(levels: np.ndarray) -> np.ndarray:
+    """Probability each pool entry stands for (between the midpoints to its neighbours)."""
+    edges = np.concatenate([[0.0], (levels[1:] + levels[:-1]) / 2, [1.0]])
+    return np.diff(edges)
 
 
 @dataclass(frozen=True, eq=False)
@@ -131,14 +153,24 @@ def draw_trajectories(pools: WorkloadPools, cap: int, k: int, seed: int = SAMPLE
     rng = np.random.default_rng(seed)
 
     def pick(pool: tuple[float, ...], shape: tuple[int, ...]) -> np.ndarray:
-        return np.asarray(pool, dtype=float)[rng.integers(0, len(pool), shape)]
+        """Inverse-CDF draws, linear between the pool's quantiles."""
+        return np.interp(rng.random(shape), pools.cdf_levels(len(pool)), np.asarray(pool, dtype=float))
 
     intended = np.maximum(1, np.rint(pick(pools.turns, (k,)))).astype(int)
-    r = int(intended.max())
     prompt = np.clip(np.rint(pick(pools.prompt_tokens, (k,))), 1, cap - 1)
-    gen = np.maximum(1, np.rint(pick(pools.gen_tokens, (k, r))))
-    obs = np.maximum(0, np.rint(pick(pools.obs_tokens, (k, r))))
-    env = np.maximum(0.0, pick(pools.env_s, (k, r)))
+    # Turns are drawn in blocks until no trajectory can run further: the context cap usually ends
+    # them long before the intended turns' maximum.
+    blocks: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+    reached, drawn = prompt.copy(), 0
+    while drawn < intended.max() and ((reached < cap) & (intended > drawn)).any():
+        w = min(DRAW_BLOCK, int(intended.max()) - drawn)
+        g = np.maximum(1, np.rint(pick(pools.gen_tokens, (k, w))))
+        o = np.maximum(0, np.rint(pick(pools.obs_tokens, (k, w))))
+        blocks.append((g, o, np.maximum(0.0, pick(pools.env_s, (k, w)))))
+        reached = reached + (g + o).sum(axis=1)
+        drawn += w
+    gen, obs, env = (np.hstack(parts) for parts in zip(*blocks, strict=True))
+    r = drawn
     start = prompt[:, None] + np.cumsum(gen + obs, axis=1) - gen - obs  # context when turn k starts
     runs = (np.arange(r)[None, :] < intended[:, None]) & (start < cap)
     # turn k+1 only starts if turn k's generation and observation left room
@@ -287,15 +319,15 @@ def expected_max(values: np.ndarray, n: int) -> float:
     return float(v @ ((i / k) ** n - ((i - 1) / k) ** n))
 
 
-def quantile_pool(values: Any, n: int = POOL_SIZE, weights: Any = None) -> tuple[float, ...]:
-    """n quantiles at probabilities (i + 1/2)/n of the (weighted) empirical distribution of `values`
-    (the inverse CDF, a step function: discrete quantities such as turns stay discrete)."""
+def quantile_pool(values: Any, levels: Any, weights: Any = None) -> tuple[float, ...]:
+    """The quantiles at CDF `levels` of the (weighted) empirical distribution of `values` (the
+    inverse CDF, a step function: discrete quantities such as turns stay discrete)."""
     v = np.asarray(values, dtype=float)
     w = np.ones_like(v) if weights is None else np.asarray(weights, dtype=float)
     order = np.argsort(v, kind="stable")
     v, w = v[order], w[order]
     cdf = np.cumsum(w) / w.sum()
-    idx = np.searchsorted(cdf, (np.arange(n) + 0.5) / n, side="left")
+    idx = np.searchsorted(cdf, np.asarray(levels, dtype=float), side="left")
     return tuple(float(x) for x in v[np.minimum(idx, len(v) - 1)])
 
 
@@ -324,11 +356,11 @@ def engine_from_perf(perf: PerfModel) -> EngineProfile:
 
 
 def pools_from_workload(workload: Workload, n: int = POOL_SIZE) -> WorkloadPools:
-    """The scenario distributions' quantiles at (i + 1/2)/n."""
-    probs = (np.arange(n) + 0.5) / n
+    """The scenario distributions' quantiles at `pool_levels(n)`."""
+    levels = pool_levels(n)
 
     def q(dist: Any) -> tuple[float, ...]:
-        return tuple(float(dist.quantile(float(x))) for x in probs)
+        return tuple(float(dist.quantile(x)) for x in levels)
 
     return WorkloadPools(
         prompt_tokens=q(workload.prompt_tokens),
@@ -336,6 +368,7 @@ def pools_from_workload(workload: Workload, n: int = POOL_SIZE) -> WorkloadPools
         gen_tokens=q(workload.gen_tokens_per_turn),
         obs_tokens=q(workload.obs_tokens_per_turn),
         env_s=q(workload.env_latency_s),
+        levels=levels,
     )
 
 
@@ -414,5 +447,14 @@ def _check(p: Profile) -> None:
             raise BadInput(f"profile: workload.{name} must not be empty")
         if any(not math.isfinite(x) or x < 0 for x in pool):
             raise BadInput(f"profile: workload.{name} must hold finite numbers >= 0")
+    lv = p.workload.levels
+    if lv:
+        if any(
+            len(getattr(p.workload, name)) != len(lv)
+            for name in ("prompt_tokens", "turns", "gen_tokens", "obs_tokens", "env_s")
+        ):
+            raise BadInput("profile: workload pools must have one value per entry of workload.levels")
+        if not all(0 < a < b < 1 for a, b in zip(lv, lv[1:], strict=False)) or not 0 < lv[0] < 1:
+            raise BadInput("profile: workload.levels must increase strictly within (0, 1)")
     if max(p.workload.turns) < 1:
         raise BadInput("profile: workload.turns must allow at least one turn")

@@ -15,6 +15,7 @@ itself happens regardless).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -207,7 +208,7 @@ def _rank(
         papers = makespan_disaggregated_paper(
             N_P=p, N_D=n - p, theta=profile.theta, K=profile.K, BW=profile.BW, T_env=profile.T_env, **common
         ).tolist()
-        configs = [Config.split(i, n - i) for i in range(1, n)]
+        configs = _splits(n)
         rows = zip(
             configs,
             split.makespan_s.tolist(),
@@ -219,4 +220,12 @@ def _rank(
         )
         out.extend(Candidate(*row) for row in rows)
         exact.update({configs[i]: split.prediction(i, configs[i]) for i in np.flatnonzero(split.refined)})
-    return sorted(out, key=lambda c: (not c.feasible, c.predicted_s, c.config)), exact
+    # feasible first, then by predicted makespan; ties keep the enumeration order (colocated, 1P, 2P, ...)
+    order = np.lexsort((np.array([c.predicted_s for c in out]), np.array([not c.feasible for c in out])))
+    return [out[i] for i in order], exact
+
+
+@functools.lru_cache(maxsize=8)
+def _splits(n: int) -> tuple[Config, ...]:
+    """Every split of n workers (cached: the budget rarely changes between decisions)."""
+    return tuple(Config.split(i, n - i) for i in range(1, n))

@@ -30,7 +30,16 @@ import numpy as np
 from .domain import Role
 from .errors import BadInput
 from .predictor import Config, predict
-from .profile import DECODE_BATCHES, EngineProfile, Profile, ProfileKey, Provenance, WorkloadPools, quantile_pool
+from .profile import (
+    DECODE_BATCHES,
+    EngineProfile,
+    Profile,
+    ProfileKey,
+    Provenance,
+    WorkloadPools,
+    level_masses,
+    quantile_pool,
+)
 from .telemetry import IterationRecord, StepTelemetry
 
 ALPHA_MIN = 0.1  # the refit forgets with a window of about ten steps
@@ -85,15 +94,15 @@ def fit_profile(
 # -- workload -------------------------------------------------------------------------------------
 
 
-def _merge(old: tuple[float, ...], new: list[float], alpha: float) -> tuple[float, ...]:
-    """Weighted quantiles of the old pool (weight 1 - α in all) and the new values (α in all)."""
+def _merge(old: tuple[float, ...], levels: np.ndarray, new: list[float], alpha: float) -> tuple[float, ...]:
+    """Quantiles at `levels` of the old pool (weight 1 - α in all) and the new values (α in all)."""
     if not new:
         return old
     if alpha >= 1:
-        return quantile_pool(new, len(old))
+        return quantile_pool(new, levels)
     values = np.concatenate([old, new])
-    weights = np.concatenate([np.full(len(old), (1 - alpha) / len(old)), np.full(len(new), alpha / len(new))])
-    return quantile_pool(values, len(old), weights)
+    weights = np.concatenate([(1 - alpha) * level_masses(levels), np.full(len(new), alpha / len(new))])
+    return quantile_pool(values, levels, weights)
 
 
 def intended_turns(turns: list[int], truncated: list[bool], tail: tuple[float, ...]) -> tuple[np.ndarray, np.ndarray]:
@@ -133,19 +142,18 @@ def _merge_pools(old: WorkloadPools, trajectories: list, alpha: float) -> Worklo
         gen.extend(t.gen_tokens[:-1] if t.truncated else t.gen_tokens)
         obs.extend(t.obs_tokens)
         env.extend(t.env_s)
+    levels = old.cdf_levels(len(old.turns))
     values, probs = intended_turns([t.turns for t in trajectories], [t.truncated for t in trajectories], old.turns)
-    n = len(old.turns)
-    new_turns = quantile_pool(values, n, probs)
     if alpha < 1:
-        merged = np.concatenate([old.turns, values])
-        weights = np.concatenate([np.full(n, (1 - alpha) / n), alpha * probs / probs.sum()])
-        new_turns = quantile_pool(merged, n, weights)
+        values = np.concatenate([old.turns, values])
+        probs = np.concatenate([(1 - alpha) * level_masses(levels), alpha * probs / probs.sum()])
     return WorkloadPools(
-        prompt_tokens=_merge(old.prompt_tokens, [float(t.prompt_tokens) for t in trajectories], alpha),
-        turns=new_turns,
-        gen_tokens=_merge(old.gen_tokens, [float(x) for x in gen], alpha),
-        obs_tokens=_merge(old.obs_tokens, [float(x) for x in obs], alpha),
-        env_s=_merge(old.env_s, [float(x) for x in env], alpha),
+        prompt_tokens=_merge(old.prompt_tokens, levels, [float(t.prompt_tokens) for t in trajectories], alpha),
+        turns=quantile_pool(values, levels, probs),
+        gen_tokens=_merge(old.gen_tokens, levels, [float(x) for x in gen], alpha),
+        obs_tokens=_merge(old.obs_tokens, levels, [float(x) for x in obs], alpha),
+        env_s=_merge(old.env_s, levels, [float(x) for x in env], alpha),
+        levels=old.levels,
     )
 
 

@@ -73,16 +73,22 @@ def test_a_b_is_the_secant_of_the_decode_curve(perf):
 
 def test_pools_are_the_distributions_quantiles(paper_workload):
     pools = pools_from_workload(paper_workload, n=101)
+    assert pools.levels[50] == pytest.approx(0.5)
     assert pools.turns[50] == pytest.approx(16.0)  # the median
     assert pools.gen_tokens[50] == pytest.approx(900.0)
     assert max(pools.turns) <= 64  # the cap of the turn distribution
     for pool in (pools.prompt_tokens, pools.turns, pools.gen_tokens, pools.obs_tokens, pools.env_s):
         assert list(pool) == sorted(pool)
+    # the far tail is kept: the top level is one in 10^5, where a 30 s-p99 lognormal reaches minutes
+    assert 1 - pools.levels[-1] < 1e-5
+    assert pools.env_s[-1] == pytest.approx(paper_workload.env_latency_s.quantile(pools.levels[-1]))
+    assert pools.env_s[-1] > 150
 
 
 def test_quantile_pool_of_weighted_values():
-    assert quantile_pool([1, 2, 3, 4], n=4) == (1.0, 2.0, 3.0, 4.0)
-    heavy = quantile_pool([0.0, 10.0], n=10, weights=[9, 1])
+    uniform = (np.arange(4) + 0.5) / 4
+    assert quantile_pool([1, 2, 3, 4], uniform) == (1.0, 2.0, 3.0, 4.0)
+    heavy = quantile_pool([0.0, 10.0], (np.arange(10) + 0.5) / 10, weights=[9, 1])
     assert heavy == (0.0,) * 9 + (10.0,)  # discrete values stay discrete, in proportion
 
 

@@ -93,8 +93,9 @@ def test_budget_change_forces_the_count_but_hysteresis_guards_the_shape(prior):
     assert "2P6D continues as 2P8D" in out.reason  # the P:D ratio kept at the new count
     assert out.decision is not None
     assert out.chosen == (out.best if out.decision.switch else Config.split(2, 8))
-    # with free switches the best wins outright
-    assert select(prior, 10, Config.split(2, 6), costs=FREE, horizon_s=3600.0).chosen == out.best
+    # with free actuators a mode switch still re-prefills the live contexts, plus the noise margin
+    d = select(prior, 10, Config.split(2, 6), costs=FREE, horizon_s=3600.0).decision
+    assert 0 < d.cost_s < 10 and d.threshold_s == pytest.approx(d.cost_s + 0.02 * d.work_s)
 
 
 def test_nothing_to_choose(prior):
