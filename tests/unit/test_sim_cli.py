@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -104,3 +105,17 @@ def test_the_installed_command_prints_json_only_on_stdout(tmp_path):
                            *SHORT, "--json"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert RUN_KEYS <= json.loads(proc.stdout).keys()
+
+
+def test_runs_are_identical_across_processes(tmp_path):
+    exe = Path(sys.executable).with_name("pearlctl")
+    outputs = []
+    for hash_seed in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": hash_seed}
+        proc = subprocess.run([str(exe), "sim", "run", "--scenario", "paper-qwen3-8b-seg1", "--policy",
+                               "rlboost-plus", *SHORT, "--json"], capture_output=True, text=True, timeout=120,
+                              cwd=tmp_path, env=env)
+        data = json.loads(proc.stdout)
+        data.pop("wall_s")
+        outputs.append(data)
+    assert outputs[0] == outputs[1]
