@@ -58,6 +58,7 @@ class Result:
     forced_releases: int  # preempted workers still there at their deadline
     cancelled_groups: int  # expansion groups cancelled (all-or-nothing)
     interrupted_requests: int  # turns interrupted and resubmitted with their partial progress
+    retracted_requests: int  # turns a decode worker out of KV sent back to be prefilled again
     mean_step_makespan_s: float
     events: int
     wall_s: float

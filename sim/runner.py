@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 from pearl.controlplane.catalog import default_catalog
 from pearl.controlplane.domain import Activity, Role, WorkerZone
+from pearl.controlplane.fleet import FleetSnapshot
 from pearl.controlplane.orchestrator import orchestrate
 from pearl.controlplane.perfmodel import PerfModel
 from pearl.controlplane.telemetry import IterationRecord, StepTelemetry
@@ -161,7 +162,7 @@ class Simulation:
     def _overlap_free(self) -> bool:
         return not self.trainer.training and self.trainer.wanted_since is None
 
-    def _snapshot(self):
+    def _snapshot(self) -> FleetSnapshot:
         return self.cluster.snapshot(self.version, self._overlap_free())
 
     def request_decision(self, event: str) -> None:
@@ -486,6 +487,7 @@ class Simulation:
             reconfigurations=self.reconfigurations, plans=self.plans,
             late_returns=tr.late_returns, lateness_s=tr.lateness_s, forced_releases=self.forced_releases,
             cancelled_groups=self.executor.cancelled_groups, interrupted_requests=self.interrupted,
+            retracted_requests=self.retracted,
             mean_step_makespan_s=(sum(self.makespans) / len(self.makespans)) if self.makespans else math.nan,
             events=events, wall_s=wall_s, timeline=self.timeline,
         )

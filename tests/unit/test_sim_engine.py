@@ -183,3 +183,21 @@ def test_cancel_frees_what_the_other_side_held():
     assert aborted == [req]
     pe.cancel(req, t)
     assert pe.kv.reserved == 0 and pe.idle and de.idle
+
+
+def test_a_decode_worker_out_of_kv_sends_a_sequence_back_with_its_progress():
+    de = Engine(1, Role.DECODE, TIMING, 3100, sink=[])
+    a, b = _traj(0, 1000, [1500]), _traj(1, 1000, [1500])
+    reqs = [Request(a, 1), Request(b, 2)]
+    for req in reqs:
+        assert de.submit(req, 0.0) == [("reserved", req)]  # the context plus 512 tokens per sequence fit
+        de.join(req, 0.0)
+    events = _run(de)
+    retracted = [r for _, what, r in events if what == "retracted"]
+    done = [r for _, what, r in events if what == "done"]
+    assert len(retracted) == 1 and len(done) == 1 and de.retractions == 1
+    back = retracted[0]
+    assert back.state == ABORTED and 0 < back.traj.turn_generated < 1500
+    assert done[0].traj.turn_generated == 1500
+    assert de.decode_tokens == 1500 + back.traj.turn_generated
+    assert de.kv.reserved == 0
