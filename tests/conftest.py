@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import itertools
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -38,7 +40,7 @@ def _admin(url: str) -> Engine:
 
 
 @pytest.fixture(scope="session")
-def pg_server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def pg_server_url() -> Iterator[str]:
     """A URL to a maintenance database on the test PostgreSQL server (not to write pearl data in)."""
     from pearl.controlplane.embedded import start_postgres, stop_postgres
     from pearl.controlplane.settings import normalise_database_url
@@ -47,12 +49,15 @@ def pg_server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     if external:
         yield normalise_database_url(external)
         return
-    home = tmp_path_factory.mktemp("pearl-pg")
+    # Not under pytest's temporary root: pytest resets that to mode 0700 whenever a session starts,
+    # and the embedded server (run as the `pgserver` user under root) must be able to reach its data.
+    home = Path(tempfile.mkdtemp(prefix="pearl-test-pg-"))
     url = start_postgres(home)
     try:
         yield url
     finally:
         stop_postgres(home)
+        shutil.rmtree(home, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
@@ -96,6 +101,20 @@ def _drop(pg_server_url: str, name: str) -> None:
 def database_url(pg_server_url: str, template_db: str) -> Iterator[str]:
     """A fresh, migrated database of its own (psycopg 3 URL), dropped after the test."""
     name = _clone(pg_server_url, template_db)
+    try:
+        yield _with_database(pg_server_url, name)
+    finally:
+        _drop(pg_server_url, name)
+
+
+@pytest.fixture
+def empty_database_url(pg_server_url: str) -> Iterator[str]:
+    """A database with no schema at all (for `pearlctl init` and the migrations), dropped after the test."""
+    name = f"pearl_empty_{os.getpid()}_{next(_db_counter)}"
+    admin = _admin(pg_server_url)
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    admin.dispose()
     try:
         yield _with_database(pg_server_url, name)
     finally:

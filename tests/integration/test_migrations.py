@@ -6,35 +6,18 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import uuid
-from collections.abc import Iterator
 from importlib.resources import files
 from pathlib import Path
 
 import pytest
 from alembic import command
 from pearl.controlplane.db import alembic_config, current_revision, head_revision, make_engine
-from sqlalchemy import Engine, create_engine, inspect, text
-from sqlalchemy.engine import make_url
+from sqlalchemy import Engine, inspect, text
 from sqlalchemy.pool import NullPool
 
 pytestmark = pytest.mark.integration
 
 PEARLCTL = Path(sys.executable).with_name("pearlctl")
-
-
-@pytest.fixture
-def empty_database(pg_server_url: str) -> Iterator[str]:
-    """A database with no schema at all."""
-    name = f"pearl_empty_{uuid.uuid4().hex[:12]}"
-    admin = create_engine(pg_server_url, isolation_level="AUTOCOMMIT", poolclass=NullPool)
-    with admin.connect() as conn:
-        conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-    yield make_url(pg_server_url).set(database=name).render_as_string(hide_password=False)
-    with admin.connect() as conn:
-        conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-    admin.dispose()
 
 
 def _objects(engine: Engine) -> dict[str, list[str]]:
@@ -51,9 +34,9 @@ def _objects(engine: Engine) -> dict[str, list[str]]:
         }
 
 
-def test_upgrade_downgrade_upgrade_round_trips(empty_database: str) -> None:
-    engine = make_engine(empty_database, poolclass=NullPool)
-    cfg = alembic_config(empty_database)
+def test_upgrade_downgrade_upgrade_round_trips(empty_database_url: str) -> None:
+    engine = make_engine(empty_database_url, poolclass=NullPool)
+    cfg = alembic_config(empty_database_url)
     command.upgrade(cfg, "head")
     at_head = _objects(engine)
     assert current_revision(engine) == head_revision() == "0001_initial"
@@ -72,9 +55,9 @@ def test_orm_and_migrations_do_not_drift(database_url: str) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_concurrent_inits_apply_the_migration_once(empty_database: str, pearlctl_env: dict[str, str]) -> None:
+def test_concurrent_inits_apply_the_migration_once(empty_database_url: str, pearlctl_env: dict[str, str]) -> None:
     # Separate processes, as in real life: Alembic's context is process-global.
-    env = {**pearlctl_env, "PEARL_DATABASE_URL": empty_database}
+    env = {**pearlctl_env, "PEARL_DATABASE_URL": empty_database_url}
     procs = [subprocess.Popen([str(PEARLCTL), "init", "--json"], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for _ in range(3)]
     results = [(p.wait(timeout=100), json.loads(p.stdout.read()), p.stderr.read()) for p in procs]
@@ -84,7 +67,7 @@ def test_concurrent_inits_apply_the_migration_once(empty_database: str, pearlctl
     # a second application would fail on "relation already exists"; all three succeed at head
     assert [rc for rc, _, _ in results] == [0, 0, 0], [e for _, _, e in results]
     assert [out["revision"] for _, out, _ in results] == ["0001_initial"] * 3
-    engine = make_engine(empty_database, poolclass=NullPool)
+    engine = make_engine(empty_database_url, poolclass=NullPool)
     with engine.connect() as conn:
         assert conn.execute(text("SELECT version_num FROM alembic_version")).scalars().all() == ["0001_initial"]
         assert conn.execute(text("SELECT count(*) FROM fleet")).scalar() == 1
