@@ -1,7 +1,8 @@
 """The simulated engine against calibration.md's measured serving figures, within 25%.
 
-Two figures land outside and are pinned as strict expected failures, with the reason: if the
-performance model changes and they land, these tests say so. The engine's calibration is fixed
+One figure, the prefill share of time, lands outside and is pinned as a strict expected failure
+with the reason: it is the token share's odds times the per-token cost ratio, and the token share
+depends on the paper's unpublished generation lengths; both factors are checked on their own. The engine's calibration is fixed
 (sim/calibration.py, controlplane/perfmodel.py); it is never tuned to a throughput target.
 """
 
@@ -49,10 +50,6 @@ def test_agentic_prefill_cost_per_token_relative_to_decode(agentic):
     _within(agentic["prefill_cost_ratio"], calibration.PEARL_PREFILL_COST_RATIO)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "lands at -27% output / -29% total: the performance model's decode at batch ~1000 (attention over "
-    "~350k context tokens plus 15 us of scheduler time per sequence) caps decode near 17k tok/s, and the "
-    "run's long-output tail decodes at small batch; SGLang's overlap scheduler hides CPU time the model adds"))
 def test_sharegpt_saturation(sharegpt):
     output, total = sharegpt
     _within(output, 10_897)
