@@ -17,6 +17,7 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import psycopg
 
@@ -105,12 +106,19 @@ def stop_postgres(home: Path) -> bool:
 
 def postgres_status(settings: Settings) -> ServiceStatus:
     if settings.database_url:
-        return ServiceStatus("postgresql", False, _answers_postgres(settings.database_url),
-                             redact_url(settings.database_url))
+        return ServiceStatus(
+            "postgresql", False, _answers_postgres(settings.database_url), redact_url(settings.database_url)
+        )
     info = _postmaster(settings.home)
     url = _socket_url(info.socket_dir, DATABASE) if info else _socket_url(postgres_dir(settings.home), DATABASE)
-    return ServiceStatus("postgresql", True, info is not None, redact_url(url),
-                         info.pid if info else None, str(postgres_dir(settings.home)))
+    return ServiceStatus(
+        "postgresql",
+        True,
+        info is not None,
+        redact_url(url),
+        info.pid if info else None,
+        str(postgres_dir(settings.home)),
+    )
 
 
 def _answers_postgres(url: str) -> bool:
@@ -118,8 +126,14 @@ def _answers_postgres(url: str) -> bool:
 
     u = make_url(normalise_database_url(url))
     try:
-        with psycopg.connect(host=u.host or u.query.get("host"), port=u.port, dbname=u.database,
-                             user=u.username, password=u.password, connect_timeout=3):
+        with psycopg.connect(
+            host=u.host or u.query.get("host"),
+            port=u.port,
+            dbname=u.database,
+            user=u.username,
+            password=u.password,
+            connect_timeout=3,
+        ):
             return True
     except psycopg.OperationalError:
         return False
@@ -187,10 +201,27 @@ def start_redis(home: Path) -> str:
         if _redis_pid(home) is not None and _redis_answers(sock):
             return _broker_url(sock.resolve())
         sock.unlink(missing_ok=True)
-        cmd = [str(_redis_executable()), "--port", "0", "--unixsocket", str(sock.resolve()),
-               "--unixsocketperm", "700", "--daemonize", "yes", "--pidfile", str((d / "redis.pid").resolve()),
-               "--dir", str(d.resolve()), "--logfile", str((d / "redis.log").resolve()),
-               "--save", "", "--appendonly", "no"]
+        cmd = [
+            str(_redis_executable()),
+            "--port",
+            "0",
+            "--unixsocket",
+            str(sock.resolve()),
+            "--unixsocketperm",
+            "700",
+            "--daemonize",
+            "yes",
+            "--pidfile",
+            str((d / "redis.pid").resolve()),
+            "--dir",
+            str(d.resolve()),
+            "--logfile",
+            str((d / "redis.log").resolve()),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ]
         try:
             subprocess.run(cmd, check=True, capture_output=True, timeout=_START_TIMEOUT_S)
         except (OSError, subprocess.SubprocessError) as exc:
@@ -219,21 +250,22 @@ def stop_redis(home: Path) -> bool:
 
 def redis_status(settings: Settings) -> ServiceStatus:
     if settings.broker_url:
-        return ServiceStatus("redis", False, _broker_answers(settings.broker_url), redact_url(settings.broker_url))
+        return ServiceStatus("redis", False, broker_answers(settings.broker_url), redact_url(settings.broker_url))
     sock = redis_dir(settings.home) / "redis.sock"
     pid = _redis_pid(settings.home)
-    return ServiceStatus("redis", True, pid is not None and _redis_answers(sock), _broker_url(sock),
-                         pid, str(redis_dir(settings.home)))
+    return ServiceStatus(
+        "redis", True, pid is not None and _redis_answers(sock), _broker_url(sock), pid, str(redis_dir(settings.home))
+    )
 
 
-def _broker_answers(url: str) -> bool:
-    from urllib.parse import urlsplit
-
+def broker_answers(url: str) -> bool:
+    """Whether a broker URL (redis+socket://, redis://, amqp://) accepts connections."""
     parts = urlsplit(url)
     if parts.scheme == "redis+socket":
         return _redis_answers(Path(parts.path))
     try:
-        with socket.create_connection((parts.hostname or "127.0.0.1", parts.port or 6379), timeout=2):
+        default_port = 5672 if parts.scheme.startswith("amqp") else 6379
+        with socket.create_connection((parts.hostname or "127.0.0.1", parts.port or default_port), timeout=2):
             return True
     except OSError:
         return False

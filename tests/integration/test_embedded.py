@@ -1,0 +1,95 @@
+"""With no service URLs, `pearlctl` runs a real PostgreSQL and Redis under PEARL_HOME, reused across
+invocations; with the URLs set, nothing embedded starts."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+PEARLCTL = Path(sys.executable).with_name("pearlctl")
+PAPER = Path(__file__).resolve().parents[2] / "sim" / "inventories" / "paper-32-h800.yaml"
+
+
+@pytest.fixture
+def embedded_home() -> Iterator[tuple[Path, dict[str, str]]]:
+    """A fresh PEARL_HOME (outside pytest's temp root, which pytest may make unreadable) and an
+    environment with no service URLs; its servers are stopped afterwards."""
+    home = Path(tempfile.mkdtemp(prefix="pearl-test-home-"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PEARL_")}
+    env["PEARL_HOME"] = str(home)
+    try:
+        yield home, env
+    finally:
+        subprocess.run([str(PEARLCTL), "db", "stop"], env=env, capture_output=True, timeout=60)
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def run(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(PEARLCTL), *args], env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_embedded_servers_start_once_and_serve_the_whole_workflow(embedded_home) -> None:
+    home, env = embedded_home
+    assert json.loads(run(env, "db", "status", "--json").stdout)["postgresql"]["running"] is False
+
+    assert run(env, "init").returncode == 0
+    first = json.loads(run(env, "db", "status", "--json").stdout)["postgresql"]
+    assert first["running"] and first["embedded"] and first["data_dir"] == str(home / "pg")
+
+    imported = run(env, "cluster", "import", str(PAPER), "--json")
+    assert imported.returncode == 0, imported.stderr
+    status = json.loads(run(env, "status", "--json").stdout)
+    assert status["gpus"]["by_zone"] == {"preemptible": 12, "rollout": 4, "training": 16}
+    # reused, not restarted
+    assert json.loads(run(env, "db", "status", "--json").stdout)["postgresql"]["pid"] == first["pid"]
+
+    url = run(env, "db", "url")
+    assert url.stdout.strip() == f"postgresql://postgres@/pearl?host={home / 'pg'}"
+    broker = run(env, "db", "url", "--broker")
+    assert broker.stdout.strip() == f"redis+socket://{home / 'redis' / 'redis.sock'}"
+    both = json.loads(run(env, "db", "status", "--json").stdout)
+    assert both["redis"]["running"] and both["redis"]["embedded"]
+
+    stopped = json.loads(run(env, "db", "stop", "--json").stdout)
+    assert stopped == {"stopped": {"postgresql": True, "redis": True}}
+    after = json.loads(run(env, "db", "status", "--json").stdout)
+    assert not after["postgresql"]["running"] and not after["redis"]["running"]
+    # the data outlives the server
+    again = json.loads(run(env, "status", "--json").stdout)
+    assert again["state_version"] == status["state_version"]
+
+
+def test_configured_urls_start_nothing_embedded(embedded_home, database_url: str, broker_url: str) -> None:
+    home, env = embedded_home
+    env = {**env, "PEARL_DATABASE_URL": database_url, "PEARL_BROKER_URL": broker_url}
+    assert run(env, "init").returncode == 0
+    assert run(env, "cluster", "import", str(PAPER)).returncode == 0
+    status = json.loads(run(env, "db", "status", "--json").stdout)
+    assert status["postgresql"]["embedded"] is False and status["postgresql"]["running"] is True
+    assert status["redis"]["embedded"] is False and status["redis"]["running"] is True
+    assert run(env, "db", "url", "--broker").stdout.strip() == broker_url
+    assert not (home / "pg").exists() and not (home / "redis").exists()
+
+
+def test_broker_fixture_is_a_real_redis(broker_url: str) -> None:
+    import redis
+    from pearl.controlplane.embedded import broker_answers
+
+    assert broker_answers(broker_url)
+    parts = urlsplit(broker_url)
+    client = (redis.Redis(unix_socket_path=parts.path) if parts.scheme == "redis+socket"
+              else redis.Redis.from_url(broker_url))
+    client.set("pearl-test", "ok")
+    assert client.get("pearl-test") == b"ok"
+    client.close()
