@@ -42,7 +42,7 @@ import numpy as np
 
 from .domain import Mode, Role
 from .errors import BadInput
-from .profile import Profile
+from .profile import Profile, TrajectorySample
 
 FIXED_POINT_ITERATIONS = 4  # f converges to <1% in 3-4 iterations on the paper workloads
 MAX_UTILISATION = 0.9  # M/D/1 waits are capped here; beyond, the round stretches (stall)
@@ -203,15 +203,32 @@ class Workbook:
 
 @functools.lru_cache(maxsize=16)
 def prepare(profile: Profile) -> Workbook:
-    """Round-indexed matrices of the profile's trajectory sample.
+    """Round-indexed matrices of the profile's trajectory sample (cached per profile).
 
     The expected maximum of B draws puts (1 - q)^B of its weight below the top share q of the
     sample: pass 1 ranks configurations on the rows in the top LEAD_SHARE under any of three
     reference per-token costs (decode alone, at B/8 and at B sequences), which carries all but
     ~(1 - LEAD_SHARE)^B of the weight.
     """
-    s, e, big_b = profile.sample, profile.engine, profile.batch_size
+    return _workbook(profile, profile.sample, batch=False)
+
+
+def predict_batch(profile: Profile, config: Config, batch: TrajectorySample) -> Prediction:
+    """The makespan of one known batch (its own slowest trajectory, no expectation over draws):
+    what the tracker compares a step's observed makespan with, free of the batch's sampling noise."""
+    wb = _workbook(profile, batch, batch=True)
+    if config.mode is Mode.COLOCATED:
+        ev = evaluate(wb, False, np.array([config.n_colocated]))
+    else:
+        ev = evaluate(wb, True, np.array([config.n_prefill]), np.array([config.n_decode]))
+    return ev.prediction(0, config)
+
+
+def _workbook(profile: Profile, s: TrajectorySample, batch: bool) -> Workbook:
+    """The matrices of a sample; `batch`: the sample is the step itself (weights on its maximum)."""
+    e = profile.engine
     k_n = len(s.turns)
+    big_b = k_n if batch else profile.batch_size
     turn = (s.gen > 0).astype(float)
     new = np.hstack([s.prompt[:, None], s.obs[:, :-1]]) * turn
     ctx_end = (np.cumsum(new, axis=1) + np.cumsum(s.gen, axis=1) - s.gen) * turn  # after turn k's prefill
@@ -237,16 +254,16 @@ def prepare(profile: Profile) -> Workbook:
         return (m * turn).sum(axis=0) / np.maximum(count, 1)
 
     ctx = float(mean(ctx_end + s.gen / 2).mean())
-    lead: set[int] = set()
+    lead: set[int] = set(range(k_n)) if batch else set()
     top = max(1, int(np.ceil(LEAD_SHARE * k_n)))
-    for batch in (1.0, big_b / 8, float(big_b)):
-        t = s.gen.sum(axis=1) * float(e.decode_iteration_s(max(batch, 1.0), ctx)) + s.env.sum(axis=1)
+    for seqs in () if batch else (1.0, big_b / 8, float(big_b)):
+        t = s.gen.sum(axis=1) * float(e.decode_iteration_s(max(seqs, 1.0), ctx)) + s.env.sum(axis=1)
         lead.update(np.argpartition(t, k_n - top)[k_n - top :].tolist())
     lead_idx = np.array(sorted(lead))
     lr = rows.take(lead_idx)
     fixed = lr.env_turn.sum(axis=1)  # T_over is in the per-turn `extra` cost
     i = np.arange(1, k_n + 1, dtype=float)
-    weights = (i / k_n) ** big_b - ((i - 1) / k_n) ** big_b
+    weights = np.eye(1, k_n, k_n - 1)[0] if batch else (i / k_n) ** big_b - ((i - 1) / k_n) ** big_b
     return Workbook(
         profile=profile,
         rows=rows,

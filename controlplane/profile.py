@@ -200,6 +200,7 @@ class Profile:
     workload: WorkloadPools
     decode_fraction: float  # f: time-averaged share of live trajectories decoding (as measured)
     t_over_s: float = 0.0  # T_over: per-turn overhead, fitted from step makespans; 0 until then
+    overhead_residual_s: float = 0.0  # signed EMA of the per-turn makespan residual; T_over is its positive part
     group_size: int = 1
     steps_observed: int = 0  # telemetry steps folded in
     fit: dict[str, Any] = field(default_factory=dict, compare=False)  # how the last refit went

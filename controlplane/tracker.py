@@ -15,8 +15,9 @@ step replaces the prior, later steps average, then an exponential window of ~1/a
 - the engine, when `iterations` are reported: per batch bin, the median ratio of measured to
   predicted decode iteration time scales the decode curve; the median ratio for prefill tokens
   scales t_p (geometric EMA of the ratios, so one odd step cannot swing it);
-- T_over, when the step's makespan and configuration are known: the per-turn residual
-  (observed - predicted with T_over = 0) / S, clipped at 0.
+- T_over, when the step's makespan and configuration are known: the per-turn residual between
+  the observed makespan and the prediction (T_over = 0) for that very batch of trajectories, an
+  EMA kept signed (`overhead_residual_s`) so that noise averages out; T_over is its positive part.
 """
 
 from __future__ import annotations
@@ -29,18 +30,19 @@ import numpy as np
 
 from .domain import Role
 from .errors import BadInput
-from .predictor import Config, predict
+from .predictor import Config, predict_batch
 from .profile import (
     DECODE_BATCHES,
     EngineProfile,
     Profile,
     ProfileKey,
     Provenance,
+    TrajectorySample,
     WorkloadPools,
     level_masses,
     quantile_pool,
 )
-from .telemetry import IterationRecord, StepTelemetry
+from .telemetry import IterationRecord, StepTelemetry, TrajectoryRecord
 
 ALPHA_MIN = 0.1  # the refit forgets with a window of about ten steps
 MIN_POINTS = 3  # iterations needed in a batch bin before its ratio is trusted
@@ -84,14 +86,42 @@ def fit_profile(
     )
     fit: dict[str, Any] = {"step": telemetry.step, "alpha": alpha, "trajectories": len(trajectories), **engine_fit}
     if makespan_s is not None and config is not None:
-        base = predict(replace(fitted, t_over_s=0.0), config).makespan_s
-        observed = max(0.0, (makespan_s - base) / max(fitted.S, 1.0))
-        fit.update(makespan_s=makespan_s, predicted_s=base, config=config.label, t_over_observed_s=observed)
-        fitted = replace(fitted, t_over_s=(1 - alpha) * prior.t_over_s + alpha * observed)
+        # Compare with the prediction for this very batch (not the expectation over batches): the
+        # residual is then the model's error, not the luck of the draw.
+        batch = trajectory_sample(trajectories)
+        base = predict_batch(replace(fitted, t_over_s=0.0), config, batch)
+        turns = float(np.max(batch.turns))
+        observed = (makespan_s - base.makespan_s) / turns
+        residual = (1 - alpha) * prior.overhead_residual_s + alpha * observed
+        fit.update(
+            makespan_s=makespan_s, predicted_s=base.makespan_s, config=config.label, residual_per_turn_s=observed
+        )
+        fitted = replace(fitted, t_over_s=max(0.0, residual), overhead_residual_s=residual)
     return replace(fitted, fit=fit)
 
 
 # -- workload -------------------------------------------------------------------------------------
+
+
+def trajectory_sample(trajectories: list[TrajectoryRecord]) -> TrajectorySample:
+    """A step's measured trajectories as the predictor's sample (one row each)."""
+    k, r = len(trajectories), max(t.turns for t in trajectories)
+    gen, obs, env = np.zeros((k, r)), np.zeros((k, r)), np.zeros((k, r))
+    for j, t in enumerate(trajectories):
+        n = t.turns
+        gen[j, :n] = t.gen_tokens
+        follow = min(n - 1, len(t.obs_tokens))  # what the environment appended before a next turn
+        obs[j, :follow] = t.obs_tokens[:follow]
+        waits = min(n - 1, len(t.env_s))
+        env[j, :waits] = t.env_s[:waits]
+    return TrajectorySample(
+        prompt=np.array([t.prompt_tokens for t in trajectories], dtype=float),
+        gen=gen,
+        obs=obs,
+        env=env,
+        turns=np.array([t.turns for t in trajectories]),
+        truncated=np.array([t.truncated for t in trajectories]),
+    )
 
 
 def _merge(old: tuple[float, ...], levels: np.ndarray, new: list[float], alpha: float) -> tuple[float, ...]:

@@ -18,6 +18,7 @@ from pearl.controlplane.predictor import (
     makespan_colocated_paper,
     makespan_disaggregated_paper,
     predict,
+    predict_batch,
     predict_paper,
     prepare,
 )
@@ -230,3 +231,19 @@ def test_describe_is_json_ready(prior):
     d = describe(predict(prior, Config.split(2, 6)))
     assert d["config"] == "2P6D" and d["workers"] == 8 and d["feasible"] is True
     json.dumps(d)
+
+
+def test_a_known_batch_is_timed_by_its_own_slowest_trajectory(prior):
+    p = constant(prior, batch=4)
+    batch = p.sample  # identical trajectories: the batch's maximum is the expectation
+    sub = type(batch)(
+        batch.prompt[:4], batch.gen[:4], batch.obs[:4], batch.env[:4], batch.turns[:4], batch.truncated[:4]
+    )
+    assert predict_batch(p, Config.colocated(2), sub).makespan_s == pytest.approx(
+        predict(p, Config.colocated(2)).makespan_s
+    )
+    # a batch with one much longer environment wait ends with that trajectory
+    env = sub.env.copy()
+    env[2, 0] = 500.0
+    slow = type(sub)(sub.prompt, sub.gen, sub.obs, env, sub.turns, sub.truncated)
+    assert predict_batch(p, Config.colocated(2), slow).makespan_s > 500.0
