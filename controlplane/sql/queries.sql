@@ -14,6 +14,7 @@ WITH ready AS (
     SELECT s.id
     FROM plan_steps s
     JOIN ready ON ready.id = s.id AND ready.nth = 1
+    WHERE s.status = 'ready'  -- re-checked on the latest row version once locked: a step just claimed is skipped
     ORDER BY s.plan_id, s.id
     LIMIT :limit
     FOR UPDATE OF s SKIP LOCKED
