@@ -247,3 +247,12 @@ def cluster_engine(db_engine: Engine) -> Engine:
     with transaction(db_engine, actor="test") as session:
         import_inventory(session, parse_inventory(SMALL_INVENTORY))
     return db_engine
+
+
+@pytest.fixture(scope="session")
+def amqp_url() -> str:
+    """A real RabbitMQ from `PEARL_TEST_AMQP_URL`; tests that need one skip without it."""
+    url = os.environ.get("PEARL_TEST_AMQP_URL")
+    if not url:
+        pytest.skip("PEARL_TEST_AMQP_URL is not set (no RabbitMQ to test against)")
+    return url
