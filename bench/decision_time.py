@@ -70,18 +70,20 @@ def run(gpus: int, repeat: int, prior, tp: int) -> dict:
     running = max(2, 3 * n // 4)
     current = Config.split(max(1, running // 4), running - max(1, running // 4))
     snapshot = fleet(n, current, tp)
-    total, sel_t, orch_t, base_t = [], [], [], []
+    total, sel_t, orch_t, base_t, cpu = [], [], [], [], []
     steps = 0
     chosen = None
     for _ in range(repeat):
         profile = replace(prior)  # a new object: its sample and the predictor's matrices are rebuilt
         prepare.cache_clear()
+        c0 = time.process_time()
         t0 = time.perf_counter()
         selection = select(profile, n, current, horizon_s=3600.0)
         t1 = time.perf_counter()
         target = Target(frozenset(range(n)), selection.chosen.counts(), reason=selection.reason)
         plan = orchestrate(snapshot, target)
         t2 = time.perf_counter()
+        cpu.append(time.process_time() - c0)
         paper_baseline(profile, n)
         t3 = time.perf_counter()
         sel_t.append(t1 - t0)
@@ -98,6 +100,7 @@ def run(gpus: int, repeat: int, prior, tp: int) -> dict:
         "chosen": chosen.label if chosen else None,
         "plan_steps": steps,
         **ms(total),
+        "cpu_median_ms": round(statistics.median(cpu) * 1e3, 3),  # this process's CPU time (less sensitive to load)
         "select": ms(sel_t),
         "orchestrate": ms(orch_t),
         "baseline_paper_formulas": ms(base_t),
@@ -127,7 +130,12 @@ def main() -> None:
                 "tp": sc.tp,
                 "repeat": args.repeat,
                 "target_ms": TARGET_MS,
-                "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
+                "machine": {
+                    "cpus": os.cpu_count(),
+                    "load_average": os.getloadavg()[0],
+                    "python": platform.python_version(),
+                    "numpy": np.__version__,
+                },
                 "results": results,
             },
             indent=2,
