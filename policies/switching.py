@@ -20,8 +20,9 @@ Switching stalls the rollout for
 Switch iff gain > cost + NOISE_MARGIN * W. The margin keeps the fleet still when two predictions
 differ by less than the predictor can tell apart: two configurations timed on the same sample differ
 with ~0.3% noise, but the model's error against the simulator is a few percent and not the same
-for every shape (1-6% measured on the paper's ablation settings). Since a mode change costs a whole-fleet cold start and a ratio change a few
-in-place flips, the mode-switch threshold is always the larger one. A forced switch (nothing
+for every shape (1-6% measured on the paper's ablation settings). Since a mode change costs a
+whole-fleet cold start and a ratio change a few in-place flips, the mode-switch threshold is always
+the larger one. A forced switch (nothing
 running, the current shape infeasible, or the budget no longer has its worker count) is never
 blocked: the selector only applies this between feasible candidates of the new budget.
 """
