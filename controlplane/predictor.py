@@ -99,11 +99,14 @@ class Config:
 
     @classmethod
     def from_counts(cls, counts: dict[Role, int]) -> Config | None:
-        """The config of a fleet's active roles (None when nothing is active)."""
+        """The config of a fleet's active roles; None when nothing is active or the roles form
+        neither shape (mid-way through a mode change, or a split missing one side)."""
         c, p, d = (counts.get(r, 0) for r in (Role.COLOCATED, Role.PREFILL, Role.DECODE))
-        if c + p + d == 0:
-            return None
-        return cls(n_colocated=c, n_prefill=p, n_decode=d) if (c or (p and d)) else None
+        if c and not (p or d):
+            return cls(n_colocated=c)
+        if p and d and not c:
+            return cls(n_prefill=p, n_decode=d)
+        return None
 
 
 @dataclass(frozen=True)

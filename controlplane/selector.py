@@ -23,7 +23,9 @@ from typing import Any
 import numpy as np
 from pearl.policies.switching import SwitchCosts, SwitchDecision, decide_switch
 
+from .domain import Role
 from .errors import BadInput
+from .fleet import FleetSnapshot
 from .predictor import (
     Config,
     Prediction,
@@ -106,6 +108,14 @@ class Selection:
             lines.append(f"      ... {hidden} more")
         lines.append(self.reason)
         return "\n".join(lines)
+
+
+def current_config(snapshot: FleetSnapshot) -> Config | None:
+    """The shape of the fleet's current active set W (active or transitioning workers)."""
+    counts: dict[Role, int] = {}
+    for w in snapshot.active():
+        counts[w.role] = counts.get(w.role, 0) + 1
+    return Config.from_counts(counts)
 
 
 def candidates_for(budget_workers: int) -> list[Config]:

@@ -30,13 +30,22 @@ blocked: the selector only applies this between feasible candidates of the new b
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from typing import Any
 
 from pearl.controlplane.errors import BadInput
 from pearl.controlplane.predictor import Config
 
 NOISE_MARGIN = 0.02  # relative gains below this are within the predictor's noise
 COST_EMA = 0.3  # weight of a newly observed duration in the measured costs
+# measured plan-step durations (by action) -> the cost they measure
+STEP_COSTS = {
+    "start_dedicated": "cold_start_s",
+    "load_weights": "weight_sync_s",
+    "admit": "admit_s",
+    "flip_role": "role_switch_s",
+}
 
 
 @dataclass(frozen=True)
@@ -53,6 +62,20 @@ class SwitchCosts:
             v = getattr(self, name)
             if not math.isfinite(v) or v < 0:
                 raise BadInput(f"switch costs: {name} must be a finite number >= 0, got {v}")
+
+    @classmethod
+    def from_reconfig(cls, reconfig: Any, weight_sync_s: float = 0.0) -> SwitchCosts:
+        """The scenario's `reconfig` block (and `training.weight_sync_s`): the costs before any is measured."""
+        return cls(reconfig.cold_start_s, reconfig.admit_s, reconfig.role_switch_s, weight_sync_s)
+
+    def with_measured(self, step_durations: Mapping[str, float], alpha: float = COST_EMA) -> SwitchCosts:
+        """Fold the executor's latest measured step durations (by action, as the simulator and the
+        plan store report them: start_dedicated, load_weights, admit, flip_role) into the costs."""
+        costs = self
+        for action, name in STEP_COSTS.items():
+            if action in step_durations:
+                costs = costs.observe(name, step_durations[action], alpha)
+        return costs
 
     def observe(self, name: str, seconds: float, alpha: float = COST_EMA) -> SwitchCosts:
         """Fold one observed duration of `name` (e.g. "role_switch_s") into the estimate."""

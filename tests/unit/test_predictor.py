@@ -89,6 +89,8 @@ def test_config_shapes_and_labels():
     assert Config.split(1, 2).counts() == {Role.PREFILL: 1, Role.DECODE: 2}
     assert Config.from_counts({Role.COLOCATED: 3}) == Config.colocated(3)
     assert Config.from_counts({}) is None
+    assert Config.from_counts({Role.COLOCATED: 2, Role.PREFILL: 1, Role.DECODE: 1}) is None  # mid-way
+    assert Config.from_counts({Role.PREFILL: 2}) is None
     for bad in (dict(n_colocated=2, n_prefill=1), dict(n_prefill=1), dict(n_colocated=-1)):
         with pytest.raises(BadInput, match="config"):
             Config(**bad)

@@ -124,3 +124,18 @@ def test_explain_and_summary(prior):
 def test_selection_is_deterministic(prior):
     a, b = select(prior, 12, Config.colocated(12)), select(prior, 12, Config.colocated(12))
     assert a.chosen == b.chosen and a.candidates == b.candidates
+
+
+def test_current_config_of_a_fleet():
+    from pearl.controlplane.domain import Activity, Role, WorkerZone
+    from pearl.controlplane.fleet import FleetSnapshot, WorkerSlot
+    from pearl.controlplane.selector import current_config
+
+    def slot(i, role, activity=Activity.ACTIVE):
+        return WorkerSlot(i, "n0", (i,), WorkerZone.DEDICATED, role, activity)
+
+    split = FleetSnapshot(1, (slot(0, Role.PREFILL), slot(1, Role.DECODE), slot(2, Role.DECODE, Activity.TRANSITIONING),
+                              slot(3, Role.COLOCATED, Activity.INACTIVE)))  # fmt: skip
+    assert current_config(split) == Config.split(1, 2)
+    assert current_config(FleetSnapshot(1, (slot(0, Role.COLOCATED),))) == Config.colocated(1)
+    assert current_config(FleetSnapshot(1, ())) is None

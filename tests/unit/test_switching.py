@@ -90,3 +90,14 @@ def test_costs_follow_measurements():
         SwitchCosts(cold_start_s=-1.0, admit_s=0.0, role_switch_s=0.0)
     with pytest.raises(BadInput, match="horizon_s"):
         decide_switch(Config.colocated(2), 10.0, Config.split(1, 1), 5.0, COSTS, horizon_s=-1.0)
+
+
+def test_costs_from_the_scenario_and_measured_steps():
+    from pearl.sim.scenario import load_scenario
+
+    sc = load_scenario("paper-qwen3-8b-seg1")
+    costs = SwitchCosts.from_reconfig(sc.reconfig, sc.training.weight_sync_s)
+    assert costs == SwitchCosts(cold_start_s=60.0, admit_s=12.0, role_switch_s=8.0, weight_sync_s=2.0)
+    measured = costs.with_measured({"flip_role": 18.0, "start_dedicated": 60.0, "release_overlap": 3.0}, alpha=0.5)
+    assert measured.role_switch_s == pytest.approx(13.0) and measured.cold_start_s == 60.0
+    assert measured.admit_s == 12.0
