@@ -24,8 +24,13 @@ def _latest_plan(session: Session) -> dict[str, Any] | None:
     plan = session.scalars(select(Plan).order_by(Plan.id.desc()).limit(1)).first()
     if plan is None:
         return None
-    steps = dict(session.execute(select(PlanStep.status, func.count()).where(PlanStep.plan_id == plan.id)
-                                 .group_by(PlanStep.status)).tuples().all())
+    steps = dict(
+        session.execute(
+            select(PlanStep.status, func.count()).where(PlanStep.plan_id == plan.id).group_by(PlanStep.status)
+        )
+        .tuples()
+        .all()
+    )
     return {
         "id": plan.id,
         "status": plan.status.value,
@@ -91,8 +96,10 @@ def fleet_status(session: Session) -> dict[str, Any]:
             "gpu": fleet.gpu,
             "tp": fleet.tp,
             "imported_at": _iso(fleet.imported_at),
-            "nodes": [{"name": n.name, "zone": n.zone.value, "gpus": n.gpu_count, "address": n.address}
-                      for n in nodes.values()],
+            "nodes": [
+                {"name": n.name, "zone": n.zone.value, "gpus": n.gpu_count, "address": n.address}
+                for n in nodes.values()
+            ],
         },
         "gpus": {
             "total": len(gpus),

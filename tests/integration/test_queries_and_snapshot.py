@@ -173,3 +173,19 @@ def test_snapshot_maps_rows_and_availability(cluster_engine: Engine) -> None:
         assert {w.id: w.available for w in load_snapshot(session).workers}[spot.id] is False
         version = session.execute(text("SELECT state_version FROM fleet")).scalar_one()
         assert load_snapshot(session).state_version == version
+
+
+def test_status_shows_the_latest_plan_and_open_leases(cluster_engine: Engine) -> None:
+    from pearl.controlplane.status import fleet_status
+
+    _, steps = make_plan(cluster_engine, "train-0")
+    with transaction(cluster_engine) as session:
+        spot = session.execute(text("SELECT id FROM gpus WHERE zone = 'preemptible' ORDER BY id")).scalars().all()
+        set_gpu_states(session, spot, [GPUState.UNAVAILABLE], GPUState.FREE)
+        session.add(Lease(gpu_id=spot[0], kind=LeaseKind.PREEMPTIBLE))
+    with transaction(cluster_engine, isolation_level="REPEATABLE READ") as session:
+        status = fleet_status(session)
+    assert status["plan"]["steps"] == {"ready": len(steps)} and status["plan"]["status"] == "proposed"
+    assert [(lease["kind"], lease["node"], lease["device"]) for lease in status["leases"]] == [
+        ("preemptible", "spot-0", 0)]
+    assert status["gpus"]["by_zone_state"]["preemptible"] == {"free": 2}
