@@ -45,12 +45,15 @@ def _slot_shape(zone: NodeZone) -> tuple[WorkerZone, Role]:
 
 def _refuse_replace_while_busy(session: Session) -> None:
     busy_workers = session.scalar(select(func.count()).select_from(Worker).where(Worker.activity != Activity.INACTIVE))
-    busy_gpus = session.scalar(select(func.count()).select_from(GPU).where(
-        GPU.state.not_in([GPUState.FREE, GPUState.UNAVAILABLE])))
+    busy_gpus = session.scalar(
+        select(func.count()).select_from(GPU).where(GPU.state.not_in([GPUState.FREE, GPUState.UNAVAILABLE]))
+    )
     applying = session.scalar(select(func.count()).select_from(Plan).where(Plan.status == PlanStatus.APPLYING))
     if busy_workers or busy_gpus or applying:
-        raise ClusterBusy(f"cannot replace the inventory: {busy_workers} worker(s) not inactive, {busy_gpus} GPU(s) "
-                          f"not free or unavailable, {applying} plan(s) applying")
+        raise ClusterBusy(
+            f"cannot replace the inventory: {busy_workers} worker(s) not inactive, {busy_gpus} GPU(s) "
+            f"not free or unavailable, {applying} plan(s) applying"
+        )
 
 
 def _create(session: Session, inventory: Inventory) -> tuple[int, int]:
@@ -60,13 +63,23 @@ def _create(session: Session, inventory: Inventory) -> tuple[int, int]:
         session.add(node)
         session.flush()
         worker_zone, role = _slot_shape(spec.zone)
-        workers = [Worker(node_id=node.id, slot=k, zone=worker_zone, role=role, activity=Activity.INACTIVE)
-                   for k in range(spec.gpus // inventory.tp)]
+        workers = [
+            Worker(node_id=node.id, slot=k, zone=worker_zone, role=role, activity=Activity.INACTIVE)
+            for k in range(spec.gpus // inventory.tp)
+        ]
         session.add_all(workers)
         session.flush()
-        session.add_all(GPU(node_id=node.id, zone=spec.zone, device_index=w.slot * inventory.tp + j, slot_id=w.id,
-                            state=_initial_gpu_state(spec.zone))
-                        for w in workers for j in range(inventory.tp))
+        session.add_all(
+            GPU(
+                node_id=node.id,
+                zone=spec.zone,
+                device_index=w.slot * inventory.tp + j,
+                slot_id=w.id,
+                state=_initial_gpu_state(spec.zone),
+            )
+            for w in workers
+            for j in range(inventory.tp)
+        )
         n_workers += len(workers)
         n_gpus += spec.gpus
     session.flush()
@@ -85,14 +98,22 @@ def import_inventory(session: Session, inventory: Inventory, *, replace: bool = 
     digest = inventory.digest()
     existing_nodes = session.scalar(select(func.count()).select_from(Node)) or 0
     if fleet.inventory_hash == digest and existing_nodes:
-        return ImportResult("unchanged", existing_nodes, inventory.total_gpus,
-                            session.scalar(select(func.count()).select_from(Worker)) or 0, fleet.state_version)
+        return ImportResult(
+            "unchanged",
+            existing_nodes,
+            inventory.total_gpus,
+            session.scalar(select(func.count()).select_from(Worker)) or 0,
+            fleet.state_version,
+        )
     outcome: Literal["created", "replaced"] = "created"
     if existing_nodes:
         if not replace:
-            raise BadInput(f"the cluster already holds a different inventory ({existing_nodes} nodes, imported "
-                           f"{fleet.imported_at:%Y-%m-%d %H:%M:%S %Z}); use --replace to change it"
-                           if fleet.imported_at else "the cluster already has nodes; use --replace to change them")
+            raise BadInput(
+                f"the cluster already holds a different inventory ({existing_nodes} nodes, imported "
+                f"{fleet.imported_at:%Y-%m-%d %H:%M:%S %Z}); use --replace to change it"
+                if fleet.imported_at
+                else "the cluster already has nodes; use --replace to change them"
+            )
         _refuse_replace_while_busy(session)
         session.execute(delete(Node))
         outcome = "replaced"

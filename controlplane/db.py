@@ -77,8 +77,9 @@ def check_connection(engine: Engine) -> None:
 
 
 @contextlib.contextmanager
-def transaction(engine: Engine, actor: str | None = None, reason: str | None = None, *,
-                isolation_level: str | None = None) -> Iterator[Session]:
+def transaction(
+    engine: Engine, actor: str | None = None, reason: str | None = None, *, isolation_level: str | None = None
+) -> Iterator[Session]:
     """A session in one transaction: committed on success, rolled back on error, errors translated.
 
     `actor` and `reason` go to every event the transaction writes (`SET LOCAL pearl.actor`);
@@ -103,8 +104,10 @@ def set_actor(session: Session, actor: str | None, reason: str | None = None) ->
     """Name who changes the state, and why, for the rest of this transaction's events."""
     if actor is None and reason is None:
         return
-    session.execute(text("SELECT set_config('pearl.actor', :a, true), set_config('pearl.reason', :r, true)"),
-                    {"a": actor or "", "r": reason or ""})
+    session.execute(
+        text("SELECT set_config('pearl.actor', :a, true), set_config('pearl.reason', :r, true)"),
+        {"a": actor or "", "r": reason or ""},
+    )
 
 
 def session_factory(engine: Engine) -> sessionmaker[Session]:

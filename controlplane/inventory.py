@@ -71,12 +71,14 @@ def parse_inventory(raw: Any, source: str = "inventory") -> Inventory:
     seen: dict[str, int] = {}
     for i, node in enumerate(inventory.nodes):
         if node.name in seen:
-            raise BadInput(f"{source}: nodes.{i}.name: duplicate node name {node.name!r} "
-                           f"(also nodes.{seen[node.name]})")
+            raise BadInput(
+                f"{source}: nodes.{i}.name: duplicate node name {node.name!r} (also nodes.{seen[node.name]})"
+            )
         seen[node.name] = i
         if node.gpus % inventory.tp:
-            raise BadInput(f"{source}: nodes.{i}.gpus: {node.gpus} GPUs on {node.name!r} is not a multiple of "
-                           f"tp ({inventory.tp})")
+            raise BadInput(
+                f"{source}: nodes.{i}.gpus: {node.gpus} GPUs on {node.name!r} is not a multiple of tp ({inventory.tp})"
+            )
     catalog = default_catalog()
     try:
         catalog.model(inventory.model)

@@ -150,8 +150,9 @@ class GPU(Base):
         ForeignKeyConstraint(["slot_id", "node_id"], ["workers.id", "workers.node_id"], ondelete="CASCADE"),
         CheckConstraint("device_index >= 0", name="device_index_non_negative"),
         CheckConstraint("worker_id IS NULL OR worker_id = slot_id", name="held_by_its_slot"),
-        CheckConstraint("(worker_id IS NOT NULL) = (state IN ('bound', 'borrowed', 'draining'))",
-                        name="held_iff_in_use"),
+        CheckConstraint(
+            "(worker_id IS NOT NULL) = (state IN ('bound', 'borrowed', 'draining'))", name="held_iff_in_use"
+        ),
         CheckConstraint(
             "(zone = 'training' AND state IN ('free', 'training', 'borrowed', 'draining', 'lost'))"
             " OR (zone = 'rollout' AND state IN ('free', 'bound', 'draining', 'lost'))"
@@ -309,11 +310,16 @@ class PlanStep(Base):
     __table_args__ = (
         UniqueConstraint("plan_id", "key"),
         # per-worker mutual exclusion: at most one running step per worker
-        Index("uq_plan_steps_one_running_per_worker", "worker_id", unique=True,
-              postgresql_where=text("status = 'running'")),
+        Index(
+            "uq_plan_steps_one_running_per_worker",
+            "worker_id",
+            unique=True,
+            postgresql_where=text("status = 'running'"),
+        ),
         Index(None, "node_id", "status"),
-        CheckConstraint("status <> 'running' OR (fence IS NOT NULL AND lease_until IS NOT NULL)",
-                        name="running_is_claimed"),
+        CheckConstraint(
+            "status <> 'running' OR (fence IS NOT NULL AND lease_until IS NOT NULL)", name="running_is_claimed"
+        ),
         CheckConstraint("attempts >= 0", name="attempts_non_negative"),
     )
 

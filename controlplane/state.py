@@ -39,20 +39,27 @@ def load_snapshot(session: Session) -> FleetSnapshot:
     for gpu in session.scalars(select(GPU).order_by(GPU.slot_id, GPU.device_index)):
         gpus_by_slot[gpu.slot_id].append(gpu)
     # A preemptible GPU whose open lease has a deadline is under a revocation notice.
-    under_notice = set(session.scalars(select(Lease.gpu_id).where(
-        Lease.returned_at.is_(None), Lease.kind == LeaseKind.PREEMPTIBLE, Lease.deadline.is_not(None))))
+    under_notice = set(
+        session.scalars(
+            select(Lease.gpu_id).where(
+                Lease.returned_at.is_(None), Lease.kind == LeaseKind.PREEMPTIBLE, Lease.deadline.is_not(None)
+            )
+        )
+    )
     rows = session.execute(select(Worker, Node.name).join(Node, Node.id == Worker.node_id).order_by(Worker.id))
     slots = []
     for worker, node_name in rows:
         gpus = gpus_by_slot.get(worker.id, [])
-        slots.append(WorkerSlot(
-            id=worker.id,
-            node=node_name,
-            gpus=tuple(g.id for g in gpus),
-            zone=worker.zone,
-            role=worker.role,
-            activity=worker.activity,
-            weights_version=worker.weights_version,
-            available=_available(worker.zone, worker.id, gpus, under_notice),
-        ))
+        slots.append(
+            WorkerSlot(
+                id=worker.id,
+                node=node_name,
+                gpus=tuple(g.id for g in gpus),
+                zone=worker.zone,
+                role=worker.role,
+                activity=worker.activity,
+                weights_version=worker.weights_version,
+                available=_available(worker.zone, worker.id, gpus, under_notice),
+            )
+        )
     return FleetSnapshot(state_version=fleet.state_version, workers=tuple(slots), tp=fleet.tp or 1)

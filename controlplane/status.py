@@ -27,9 +27,7 @@ def _latest_plan(session: Session) -> dict[str, Any] | None:
     steps = dict(
         session.execute(
             select(PlanStep.status, func.count()).where(PlanStep.plan_id == plan.id).group_by(PlanStep.status)
-        )
-        .tuples()
-        .all()
+        ).all()
     )
     return {
         "id": plan.id,
