@@ -77,10 +77,15 @@ def start_postgres(home: Path) -> str:
     """Start (or reuse) the embedded server and return the URL of its `pearl` database."""
     home.mkdir(parents=True, exist_ok=True)
     pgserver = _pgserver()
+    pgdata = postgres_dir(home)
+    if _postmaster(home) is None:
+        # pgserver caches one handle per data directory for the life of the process and returns it
+        # without checking the server; after a stop in this process, a fresh handle starts it again.
+        pgserver.PostgresServer._instances.pop(pgdata.resolve(), None)
     try:
-        server = pgserver.get_server(postgres_dir(home), cleanup_mode=None)
+        server = pgserver.get_server(pgdata, cleanup_mode=None)
     except Exception as exc:  # pgserver raises bare subprocess and assertion errors
-        raise EmbeddedServiceError(f"cannot start the embedded PostgreSQL in {postgres_dir(home)}: {exc}") from None
+        raise EmbeddedServiceError(f"cannot start the embedded PostgreSQL in {pgdata}: {exc}") from None
     socket_dir = server.get_postmaster_info().socket_dir
     with psycopg.connect(host=str(socket_dir), dbname="postgres", user="postgres", autocommit=True) as conn:
         exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (DATABASE,)).fetchone()

@@ -93,3 +93,22 @@ def test_broker_fixture_is_a_real_redis(broker_url: str) -> None:
     client.set("pearl-test", "ok")
     assert client.get("pearl-test") == b"ok"
     client.close()
+
+
+def test_embedded_servers_restart_within_one_process(embedded_home) -> None:
+    from pearl.controlplane.embedded import broker_answers, start_postgres, start_redis, stop_postgres, stop_redis
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.pool import NullPool
+
+    home, _ = embedded_home
+    for _ in range(2):
+        url = start_postgres(home)
+        assert start_postgres(home) == url  # reused
+        engine = create_engine(url, poolclass=NullPool)
+        with engine.connect() as conn:
+            assert conn.execute(text("SELECT current_database()")).scalar() == "pearl"
+        engine.dispose()
+        broker = start_redis(home)
+        assert broker_answers(broker)
+        assert stop_postgres(home) and stop_redis(home)
+        assert not stop_postgres(home) and not stop_redis(home)
