@@ -243,3 +243,15 @@ def test_views_answer(cluster_engine: Engine) -> None:
                                            ("preemptible", "unavailable", 2)]
     assert detail == 8
     assert timeline == 0
+
+
+def test_db_session_fixture_checks_deferred_constraints_on_demand(db_session) -> None:
+    from pearl.controlplane.cluster import import_inventory
+    from pearl.controlplane.inventory import parse_inventory
+    from sqlalchemy.exc import DBAPIError
+
+    import_inventory(db_session, parse_inventory({"model": "qwen3-8b", "gpu": "h800", "tp": 1, "nodes": [
+        {"name": "r", "zone": "rollout", "gpus": 1, "address": "h"}]}))
+    db_session.execute(text("UPDATE workers SET activity = 'transitioning', role = 'decode'"))
+    with pytest.raises(DBAPIError, match="is transitioning but holds 0 of its 1 GPU"):
+        db_session.execute(text("SET CONSTRAINTS ALL IMMEDIATE"))
