@@ -6,11 +6,13 @@ the policy's memory.
 
 What is refit, each with weight α = max(alpha_min, 1/(steps + 1)) for the new step (the first
 step replaces the prior, later steps average, then an exponential window of ~1/alpha_min steps):
-- workload pools: prompts, tokens generated per turn (the turn a trajectory was cut at the cap
-  excluded), tokens appended per turn, environment time per turn, merged as weighted quantiles;
-  the intended turns by Kaplan-Meier, since a trajectory ended by the context cap only says its
-  intended turns were at least those it ran (censored); the mass beyond the last uncensored count
-  follows the previous pool's tail;
+- workload pools: prompts, intended turns, tokens generated and appended per turn, environment
+  time per turn, merged as weighted quantiles. A trajectory ended by the context cap only says
+  its intended turns were at least those it ran, and its last generation (cut at the cap) or the
+  observation that no longer fitted were at least what the cap left: those are censored values,
+  so turns and tokens are estimated by Kaplan-Meier (ignoring them, or taking them at face value,
+  biases tokens per turn low and the predicted makespan high); the mass beyond the last
+  uncensored value follows the previous pool's tail;
 - f, the measured share of live trajectories decoding, when reported;
 - the engine, when `iterations` are reported: per batch bin, the median ratio of measured to
   predicted decode iteration time scales the decode curve; the median ratio for prefill tokens
@@ -67,7 +69,7 @@ def fit_profile(
     trajectories = [t for t in telemetry.trajectories if t.turns > 0]
     if not trajectories:
         raise BadInput("telemetry.trajectories: no trajectory ran a turn")
-    pools = _merge_pools(prior.workload, trajectories, alpha)
+    pools = _merge_pools(prior.workload, trajectories, alpha, prior.max_context_tokens)
     engine, engine_fit = _fit_engine(prior.engine, telemetry.iterations, alpha)
     f = prior.decode_fraction
     if telemetry.decode_fraction is not None:
@@ -124,65 +126,78 @@ def trajectory_sample(trajectories: list[TrajectoryRecord]) -> TrajectorySample:
     )
 
 
-def _merge(old: tuple[float, ...], levels: np.ndarray, new: list[float], alpha: float) -> tuple[float, ...]:
-    """Quantiles at `levels` of the old pool (weight 1 - α in all) and the new values (α in all)."""
-    if not new:
+def _merge(
+    old: tuple[float, ...], levels: np.ndarray, values: np.ndarray, probs: np.ndarray, alpha: float
+) -> tuple[float, ...]:
+    """Quantiles at `levels` of the old pool (weight 1 - α in all) and the new distribution (α)."""
+    if len(values) == 0:
         return old
     if alpha >= 1:
-        return quantile_pool(new, levels)
-    values = np.concatenate([old, new])
-    weights = np.concatenate([(1 - alpha) * level_masses(levels), np.full(len(new), alpha / len(new))])
-    return quantile_pool(values, levels, weights)
+        return quantile_pool(values, levels, probs)
+    merged = np.concatenate([old, values])
+    weights = np.concatenate([(1 - alpha) * level_masses(levels), alpha * probs / probs.sum()])
+    return quantile_pool(merged, levels, weights)
 
 
-def intended_turns(turns: list[int], truncated: list[bool], tail: tuple[float, ...]) -> tuple[np.ndarray, np.ndarray]:
-    """Kaplan-Meier distribution of the intended turns: (values, probabilities).
+def censored_distribution(values: Any, censored: Any, tail: tuple[float, ...] = ()) -> tuple[np.ndarray, np.ndarray]:
+    """Kaplan-Meier distribution of `values` where `censored` ones are only lower bounds: (values, probabilities).
 
-    A truncated trajectory is censored at the turns it ran. The mass left beyond the last
-    uncensored count is spread over `tail`'s values (the previous pool) at or above the largest count
-    seen, or put at that count when `tail` has none there.
+    The mass left beyond the last uncensored value is spread over `tail`'s values (the previous
+    pool) at or above the largest value seen, or put at that value when `tail` has none there.
     """
-    t = np.asarray(turns, dtype=float)
-    cut = np.asarray(truncated, dtype=bool)
-    values, probs = [], []
-    survival = 1.0
-    for v in np.unique(t[~cut]):
-        at_risk = float((t >= v).sum())
-        events = float(((t == v) & ~cut).sum())
-        mass = survival * events / at_risk
-        values.append(v)
-        probs.append(mass)
-        survival -= mass
-    if survival > 1e-12:
-        # trajectories censored after the last event: their intended turns are at least the largest count
-        floor = max([*values, float(t[cut].max()) if cut.any() else 0.0])
+    v = np.asarray(values, dtype=float)
+    cut = np.asarray(censored, dtype=bool)
+    events, counts = np.unique(v[~cut], return_counts=True)
+    at_risk = len(v) - np.searchsorted(np.sort(v), events, side="left")  # values >= each event
+    hazard = counts / at_risk
+    survival = np.concatenate([[1.0], np.cumprod(1 - hazard)])
+    out_v, out_p = list(events), list(survival[:-1] * hazard)
+    left = float(survival[-1])
+    if left > 1e-12:
+        floor = float(v.max())
         beyond = np.asarray([x for x in tail if x >= floor]) if tail else np.asarray([])
         if beyond.size == 0:
             beyond = np.asarray([floor])
-        values.extend(beyond.tolist())
-        probs.extend([survival / beyond.size] * beyond.size)
-    return np.asarray(values), np.asarray(probs)
+        out_v.extend(beyond.tolist())
+        out_p.extend([left / beyond.size] * beyond.size)
+    return np.asarray(out_v), np.asarray(out_p)
 
 
-def _merge_pools(old: WorkloadPools, trajectories: list, alpha: float) -> WorkloadPools:
-    gen: list[float] = []
-    obs: list[float] = []
+def _merge_pools(old: WorkloadPools, trajectories: list[TrajectoryRecord], alpha: float, cap: int) -> WorkloadPools:
+    """The pools after one step. A trajectory ended by the context cap censors three values: its
+    intended turns (at least those it ran), and either its last generation (cut at the cap) or the
+    observation that no longer fitted (at least the room left, when the record does not carry it)."""
+    gen: list[tuple[float, bool]] = []
+    obs: list[tuple[float, bool]] = []
     env: list[float] = []
     for t in trajectories:
-        gen.extend(t.gen_tokens[:-1] if t.truncated else t.gen_tokens)
-        obs.extend(t.obs_tokens)
+        n = t.turns
+        before_next = list(t.obs_tokens[: n - 1])
+        context = t.prompt_tokens + sum(t.gen_tokens) + sum(before_next)
+        gen_cut = t.truncated and context >= cap
+        gen.extend((float(x), gen_cut and i == n - 1) for i, x in enumerate(t.gen_tokens))
+        obs.extend((float(x), False) for x in t.obs_tokens)
+        if t.truncated and not gen_cut and len(t.obs_tokens) < n:
+            obs.append((float(cap - context), True))
         env.extend(t.env_s)
     levels = old.cdf_levels(len(old.turns))
-    values, probs = intended_turns([t.turns for t in trajectories], [t.truncated for t in trajectories], old.turns)
-    if alpha < 1:
-        values = np.concatenate([old.turns, values])
-        probs = np.concatenate([(1 - alpha) * level_masses(levels), alpha * probs / probs.sum()])
+
+    def fold(pool: tuple[float, ...], pairs: list[tuple[float, bool]]) -> tuple[float, ...]:
+        if not pairs:
+            return pool
+        values, probs = censored_distribution([x for x, _ in pairs], [c for _, c in pairs], pool)
+        return _merge(pool, levels, values, probs, alpha)
+
+    def plain(values: list[float]) -> tuple[np.ndarray, np.ndarray]:
+        return np.asarray(values, dtype=float), np.ones(len(values))
+
+    turns = [(float(t.turns), t.truncated) for t in trajectories]
     return WorkloadPools(
-        prompt_tokens=_merge(old.prompt_tokens, levels, [float(t.prompt_tokens) for t in trajectories], alpha),
-        turns=quantile_pool(values, levels, probs),
-        gen_tokens=_merge(old.gen_tokens, levels, [float(x) for x in gen], alpha),
-        obs_tokens=_merge(old.obs_tokens, levels, [float(x) for x in obs], alpha),
-        env_s=_merge(old.env_s, levels, [float(x) for x in env], alpha),
+        prompt_tokens=_merge(old.prompt_tokens, levels, *plain([t.prompt_tokens for t in trajectories]), alpha),
+        turns=fold(old.turns, turns),
+        gen_tokens=fold(old.gen_tokens, gen),
+        obs_tokens=fold(old.obs_tokens, obs),
+        env_s=_merge(old.env_s, levels, *plain(env), alpha),
         levels=old.levels,
     )
 

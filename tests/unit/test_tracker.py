@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +22,7 @@ from pearl.controlplane.profile import (
     profile_to_dict,
 )
 from pearl.controlplane.telemetry import parse_telemetry
-from pearl.controlplane.tracker import fit_profile, intended_turns, trajectory_sample
+from pearl.controlplane.tracker import censored_distribution, fit_profile, trajectory_sample
 from pearl.sim.scenario import load_scenario
 
 pytestmark = pytest.mark.unit
@@ -48,9 +49,7 @@ def prior(workload, perf):
 def telemetry(workload, perf, step=0, seed=1, env_scale=1.0, gen_scale=1.0, decode_slowdown=1.0, prefill_speedup=1.0):
     """One step's telemetry as the simulator reports it: trajectories and iteration timings."""
     pools = pools_from_workload(workload)
-    pools = type(pools)(
-        pools.prompt_tokens, pools.turns, tuple(x * gen_scale for x in pools.gen_tokens), pools.obs_tokens, pools.env_s
-    )
+    pools = replace(pools, gen_tokens=tuple(x * gen_scale for x in pools.gen_tokens))
     s = draw_trajectories(pools, workload.max_context_tokens, workload.batch_size, seed=seed)
     trajectories = []
     for j in range(workload.batch_size):
@@ -146,17 +145,17 @@ def test_t_over_fitted_from_the_step_makespan(prior, workload, perf):
     )
 
 
-def test_intended_turns_treat_truncation_as_censoring():
-    values, probs = intended_turns([2, 3, 5, 4], [False, False, False, True], tail=(6.0, 8.0))
+def test_truncation_censors_turns():
+    values, probs = censored_distribution([2, 3, 5, 4], [False, False, False, True], tail=(6.0, 8.0))
     assert probs.sum() == pytest.approx(1.0)
     dist = dict(zip(values.tolist(), probs.tolist(), strict=True))
     assert dist[2] == pytest.approx(0.25) and dist[3] == pytest.approx(0.25)
     # the censored trajectory (4+ turns) is at risk until it leaves: the event at 5 takes its share
     assert dist[5] == pytest.approx(0.5) and 6.0 not in dist
-    values, probs = intended_turns([2, 3, 6], [False, False, True], tail=(4.0, 6.0, 8.0))
+    values, probs = censored_distribution([2, 3, 6], [False, False, True], tail=(4.0, 6.0, 8.0))
     dist = dict(zip(values.tolist(), probs.tolist(), strict=True))
     assert dist[6] == pytest.approx(1 / 6) and dist[8] == pytest.approx(1 / 6) and 4.0 not in dist
-    values, probs = intended_turns([3, 3], [True, True], tail=())
+    values, probs = censored_distribution([3, 3], [True, True], tail=())
     assert values.tolist() == [3.0] and probs.tolist() == [1.0]
 
 
@@ -183,3 +182,24 @@ def test_bad_telemetry_is_refused_before_the_tracker(workload, perf):
     raw["trajectories"][0]["gen_tokens"][0] = -5
     with pytest.raises(BadInput, match=r"trajectories\[0\].gen_tokens"):
         parse_telemetry(raw)
+
+
+def test_cut_generations_and_dropped_observations_are_censored_not_ignored(perf):
+    """Under a tight context cap most trajectories end truncated; the cut generation and the
+    observation that no longer fitted are lower bounds. Kaplan-Meier keeps the token pools unbiased."""
+    tight = load_scenario(SCENARIOS / "paper-qwen3-8b-seg1.yaml", ["workload.max_context_tokens=9000"]).workload
+    prior = profile_from_workload(tight, perf)
+    steps = [telemetry(tight, perf, step=i, seed=10 + i) for i in range(4)]
+    assert np.mean([t.truncated for s in steps for t in s.trajectories]) > 0.8
+    fitted = prior
+    for t in steps:
+        fitted = fit_profile(fitted, t)
+    truth = pools_from_workload(tight)
+    # the upper quartile of tokens per turn is where dropping the cut values would bite
+    for name in ("gen_tokens", "obs_tokens"):
+        q75 = np.interp(0.75, fitted.workload.levels, getattr(fitted.workload, name))
+        assert q75 == pytest.approx(np.interp(0.75, truth.levels, getattr(truth, name)), rel=0.1), name
+    # taking the cut values at face value would bias the tokens per turn low
+    face_value = [x for s in steps for t in s.trajectories for x in t.gen_tokens]
+    assert np.mean(face_value) < 0.95 * tight.gen_tokens_per_turn.mean()
+    assert fitted.r == pytest.approx(prior.r, rel=0.1)
