@@ -1,9 +1,9 @@
 """The control-plane database: SQLAlchemy 2 typed ORM of the unified GPU-worker-role state.
 
-The tables here and migration `0001_initial` match exactly (`alembic check`). What the ORM cannot
-express lives in the migration's SQL: the transition trigger (edges are rows of `gpu_transitions`
-and `worker_transitions`), the deferred check that a serving worker holds exactly its slot's GPUs,
-the `state_version` bump, the append-only `events` written by triggers, and the views.
+The tables here and migrations `0001_initial`, `0002_policy_memory` match exactly (`alembic check`).
+What the ORM cannot express lives in the migration's SQL: the transition trigger (edges are rows of
+`gpu_transitions` and `worker_transitions`), the deferred check that a serving worker holds exactly
+its slot's GPUs, the `state_version` bump, the append-only `events` written by triggers, and the views.
 
 Invariant 1 (design.md) in constraints: a GPU belongs to one worker slot (`gpus.slot_id`) and is
 held by at most that worker (`gpus.worker_id`); it is held iff it is bound, borrowed or draining;
@@ -233,7 +233,7 @@ class Telemetry(Base):
     __tablename__ = "telemetry"
 
     id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
-    step: Mapped[int] = mapped_column(BigInteger, index=True)
+    step: Mapped[int] = mapped_column(BigInteger, index=True, unique=True)  # folded into the profile once
     received_at: Mapped[datetime] = mapped_column(TS, server_default=NOW)
     body: Mapped[dict[str, Any]] = mapped_column(JSONB)
 
@@ -252,6 +252,9 @@ class Profile(Base):
     provenance: Mapped[Provenance] = mapped_column(PROVENANCE)
     params: Mapped[dict[str, Any]] = mapped_column(JSONB)
     created_at: Mapped[datetime] = mapped_column(TS, server_default=NOW)
+    # fitted: the profile it was refit from and the telemetry step it folded in (0002)
+    based_on: Mapped[int | None] = mapped_column(ForeignKey("profiles.id", ondelete="SET NULL"))
+    telemetry_id: Mapped[int | None] = mapped_column(ForeignKey("telemetry.id", ondelete="SET NULL"))
 
 
 class Decision(Base):
@@ -267,6 +270,18 @@ class Decision(Base):
     reason: Mapped[str] = mapped_column(Text, server_default=text("''"))
     predicted_current_s: Mapped[float | None] = mapped_column(Double)  # makespan of the current config
     predicted_target_s: Mapped[float | None] = mapped_column(Double)  # makespan of the target
+    policy: Mapped[str] = mapped_column(Text, server_default=text("''"))  # which policy decided (0002)
+
+
+class PolicyMemory(Base):
+    """What a policy remembers between passes (its memory's `to_dict()`), so any process runs the next (0002)."""
+
+    __tablename__ = "policy_memory"
+
+    policy: Mapped[str] = mapped_column(Text, primary_key=True)
+    memory: Mapped[dict[str, Any]] = mapped_column(JSONB)
+    decision_id: Mapped[int | None] = mapped_column(ForeignKey("decisions.id", ondelete="SET NULL"))
+    updated_at: Mapped[datetime] = mapped_column(TS, server_default=NOW)
 
 
 class Plan(Base):
