@@ -139,11 +139,14 @@ def _merge(
     return quantile_pool(merged, levels, weights)
 
 
-def censored_distribution(values: Any, censored: Any, tail: tuple[float, ...] = ()) -> tuple[np.ndarray, np.ndarray]:
+def censored_distribution(
+    values: Any, censored: Any, tail: tuple[float, ...] = (), tail_mass: Any = None
+) -> tuple[np.ndarray, np.ndarray]:
     """Kaplan-Meier distribution of `values` where `censored` ones are only lower bounds: (values, probabilities).
 
-    The mass left beyond the last uncensored value is spread over `tail`'s values (the previous
-    pool) at or above the largest value seen, or put at that value when `tail` has none there.
+    Past the last uncensored value the data say nothing more, so each value censored there hands
+    its share to the previous pool `tail` (weights `tail_mass`, equal by default) above its own
+    bound (redistribute-to-the-right onto the previous belief); to its bound when `tail` has nothing there.
     """
     v = np.asarray(values, dtype=float)
     cut = np.asarray(censored, dtype=bool)
@@ -152,14 +155,19 @@ def censored_distribution(values: Any, censored: Any, tail: tuple[float, ...] = 
     hazard = counts / at_risk
     survival = np.concatenate([[1.0], np.cumprod(1 - hazard)])
     out_v, out_p = list(events), list(survival[:-1] * hazard)
-    left = float(survival[-1])
-    if left > 1e-12:
-        floor = float(v.max())
-        beyond = np.asarray([x for x in tail if x >= floor]) if tail else np.asarray([])
-        if beyond.size == 0:
-            beyond = np.asarray([floor])
-        out_v.extend(beyond.tolist())
-        out_p.extend([left / beyond.size] * beyond.size)
+    rest = v[cut & (v > events[-1])] if len(events) else v
+    if len(rest):
+        share = float(survival[-1]) / len(rest)
+        pool = np.asarray(tail, dtype=float)
+        mass = np.ones(len(pool)) if tail_mass is None else np.asarray(tail_mass, dtype=float)
+        for bound, n in zip(*np.unique(rest, return_counts=True), strict=True):
+            above = pool >= bound
+            if above.any() and mass[above].sum() > 0:
+                out_v.extend(pool[above].tolist())
+                out_p.extend((share * n * mass[above] / mass[above].sum()).tolist())
+            else:
+                out_v.append(float(bound))
+                out_p.append(share * n)
     return np.asarray(out_v), np.asarray(out_p)
 
 
@@ -181,11 +189,12 @@ def _merge_pools(old: WorkloadPools, trajectories: list[TrajectoryRecord], alpha
             obs.append((float(cap - context), True))
         env.extend(t.env_s)
     levels = old.cdf_levels(len(old.turns))
+    masses = level_masses(levels)
 
     def fold(pool: tuple[float, ...], pairs: list[tuple[float, bool]]) -> tuple[float, ...]:
         if not pairs:
             return pool
-        values, probs = censored_distribution([x for x, _ in pairs], [c for _, c in pairs], pool)
+        values, probs = censored_distribution([x for x, _ in pairs], [c for _, c in pairs], pool, masses)
         return _merge(pool, levels, values, probs, alpha)
 
     def plain(values: list[float]) -> tuple[np.ndarray, np.ndarray]:

@@ -152,9 +152,12 @@ def test_truncation_censors_turns():
     assert dist[2] == pytest.approx(0.25) and dist[3] == pytest.approx(0.25)
     # the censored trajectory (4+ turns) is at risk until it leaves: the event at 5 takes its share
     assert dist[5] == pytest.approx(0.5) and 6.0 not in dist
+    # censored past the last event: its share follows the previous pool above its own bound
     values, probs = censored_distribution([2, 3, 6], [False, False, True], tail=(4.0, 6.0, 8.0))
     dist = dict(zip(values.tolist(), probs.tolist(), strict=True))
     assert dist[6] == pytest.approx(1 / 6) and dist[8] == pytest.approx(1 / 6) and 4.0 not in dist
+    values, probs = censored_distribution([2, 9], [False, True], tail=(4.0, 6.0, 8.0))
+    assert values.tolist() == [2.0, 9.0] and probs.tolist() == [0.5, 0.5]  # nothing above 9 in the tail
     values, probs = censored_distribution([3, 3], [True, True], tail=())
     assert values.tolist() == [3.0] and probs.tolist() == [1.0]
 
