@@ -24,6 +24,12 @@ def _register() -> None:
     init.register(app)
     cluster.register(app)
     status.register(app)
+    from pearl.cli import apply, event, plan, profile
+
+    plan.register(app)
+    apply.register(app)
+    event.register(app)
+    profile.register(app)
 
 
 _register()

@@ -1,0 +1,67 @@
+"""`pearlctl apply [PLAN_ID | --latest] [--wait] [--json]`: enact a proposed plan (refused if stale)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import typer
+from pearl.controlplane.db import make_engine, require_schema, transaction
+from pearl.controlplane.errors import BadInput, StepFailed
+from pearl.controlplane.plans import apply, plan_summary, wait_plan
+
+from .common import emit_json, err, handle_errors, out
+
+
+def register(app: typer.Typer) -> None:
+    app.command("apply")(apply_command)
+
+
+def _step_counts(summary: dict[str, Any]) -> str:
+    counts: dict[str, int] = {}
+    for s in summary["steps"]:
+        counts[s["status"]] = counts.get(s["status"], 0) + 1
+    return ", ".join(f"{n} {status}" for status, n in sorted(counts.items()))
+
+
+@handle_errors
+def apply_command(
+    plan_id: Annotated[int | None, typer.Argument(help="The plan to apply.", min=1)] = None,
+    latest: Annotated[bool, typer.Option("--latest", help="Apply the latest proposed plan.")] = False,
+    wait: Annotated[bool, typer.Option("--wait", help="Wait until the plan succeeds or fails.")] = False,
+    timeout: Annotated[float, typer.Option("--timeout", min=0.0, help="Seconds --wait waits at most.")] = 600.0,
+    poll: Annotated[float, typer.Option("--poll", min=0.05, help="Seconds between polls while waiting.")] = 0.5,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Apply a proposed plan if the fleet is still at the state it was computed against."""
+    if (plan_id is None) == (not latest):
+        raise BadInput("PLAN_ID / --latest: give a plan id or --latest (one of them)")
+    engine = make_engine()
+    try:
+        require_schema(engine)
+        applied = apply(engine, plan_id)
+        if not as_json:
+            out.print(f"plan {applied.plan_id} applying: {len(applied.ready)} step(s) ready "
+                      f"({', '.join(applied.ready) or '-'}), {applied.blocked} waiting; "
+                      f"woke the agents of {', '.join(applied.nodes) or 'no node'}")
+        if wait:
+            last: list[str] = []
+
+            def progress(summary: dict[str, Any]) -> None:
+                line = _step_counts(summary)
+                if not last or last[-1] != line:
+                    err.print(f"plan {applied.plan_id}: {summary['status']} ({line})", highlight=False)
+                    last.append(line)
+
+            summary = wait_plan(engine, applied.plan_id, timeout_s=timeout, poll_s=poll, on_poll=progress)
+        else:
+            with transaction(engine) as session:
+                summary = plan_summary(session, applied.plan_id)
+    finally:
+        engine.dispose()
+    if as_json:
+        emit_json({"plan": summary, "ready": list(applied.ready), "blocked": applied.blocked,
+                   "nodes": list(applied.nodes)})
+    elif wait:
+        out.print(f"plan {applied.plan_id} {summary['status']} ({_step_counts(summary)})")
+    if summary["status"] == "failed":
+        raise StepFailed(f"plan {applied.plan_id} failed: {summary['error']}")

@@ -1,0 +1,59 @@
+"""`pearlctl plan [--json] [--explain] [--dry-run]`: one pass of the policy engine; writes a proposed plan."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+from pearl.controlplane.db import make_engine, require_schema
+from pearl.controlplane.planning import Planned, plan, written_plan
+from rich.table import Table
+from rich.text import Text
+
+from .common import emit_json, handle_errors, out
+
+
+def register(app: typer.Typer) -> None:
+    app.command("plan")(plan_command)
+
+
+def render(planned: Planned) -> Table | Text:
+    if planned.plan.empty:
+        return Text(f"no change: {planned.target.reason}")
+    title = (f"plan {planned.plan_id} (proposed" if planned.plan_id else "plan (dry run, not written") + \
+        f"; base_version {planned.plan.base_version}, D_worker {planned.plan.d_worker}, D_role {planned.plan.d_role})"
+    table = Table("key", "action", "worker", "node", "args", "after", "group", title=title)
+    for s in planned.plan.steps:
+        args = " ".join(f"{k}={v}" for k, v in s.args.items())
+        after = ", ".join(s.after) if len(s.after) <= 2 else f"{len(s.after)} steps"
+        table.add_row(s.key, str(s.action), str(s.worker_id), s.node, args, after, s.group or "")
+    return table
+
+
+@handle_errors
+def plan_command(
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    explain: Annotated[bool, typer.Option("--explain", help="Show the ranked candidates and why one won.")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Decide and show; write nothing.")] = False,
+) -> None:
+    """Decide the fleet's next configuration (PEARL policy) and write it as a proposed plan."""
+    engine = make_engine()
+    try:
+        require_schema(engine)
+        planned = plan(engine, dry_run=dry_run)
+        stored = written_plan(engine, planned)
+    finally:
+        engine.dispose()
+    if as_json:
+        obj = planned.as_dict(stored)
+        obj["dry_run"] = dry_run
+        if explain:
+            obj["explain"] = planned.explain()
+        emit_json(obj)
+        return
+    if explain:
+        out.print(planned.explain(), markup=False, highlight=False)
+        out.print()
+    out.print(render(planned))
+    if planned.plan_id:
+        out.print(f"apply it with `pearlctl apply {planned.plan_id}` (decision {planned.decision_id})")
