@@ -379,6 +379,9 @@ class Engine:
     def _reserve_decode(self, out: list[tuple[str, Request]]) -> None:
         while self.waiting:
             req = self.waiting[0]
+            if req.state == ABORTED:  # its prefill worker went away; the cancel here is on its way
+                self.waiting.popleft()
+                continue
             held = self.batch + len(self.inbound) + len(self.joining) + 1
             if not self.kv.reserve(req.context, extra=DECODE_RESERVED_TOKENS * held):
                 return

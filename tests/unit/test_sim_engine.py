@@ -201,3 +201,19 @@ def test_a_decode_worker_out_of_kv_sends_a_sequence_back_with_its_progress():
     assert done[0].traj.turn_generated == 1500
     assert de.decode_tokens == 1500 + back.traj.turn_generated
     assert de.kv.reserved == 0
+
+
+def test_a_request_aborted_on_its_prefill_worker_is_never_reserved_by_a_decode_worker():
+    pe, de = _engine(Role.PREFILL), Engine(1, Role.DECODE, TIMING, 4000, sink=[])
+    a, b = Request(_traj(0, 3000, [100]), 1), Request(_traj(1, 3000, [100]), 2)
+    pe.submit(a, 0.0)
+    pe.submit(b, 0.0)
+    t = max(t for t, _, _ in _run(pe))
+    assert de.submit(a, t) == [("reserved", a)]
+    assert de.submit(b, t) == []  # no room yet: b waits for a's KV to leave
+    aborted, _ = pe.interrupt(t)  # the prefill worker goes away with both
+    assert {r.seq for r in aborted} == {1, 2}
+    assert de.cancel(a, t) == []  # frees room, but b is aborted: not reserved
+    assert 2 not in de.inbound and b.state == ABORTED
+    de.cancel(b, t)
+    assert de.idle and de.kv.reserved == 0
