@@ -1,0 +1,241 @@
+"""The plan store against real PostgreSQL: writing, superseding, applying (stale refused), the steps'
+progression through the fenced finish, failure and the expansion group, and the audit events."""
+
+from __future__ import annotations
+
+import pytest
+from pearl.controlplane import plans
+from pearl.controlplane.db import transaction
+from pearl.controlplane.domain import GPUState, PlanStatus, Role, StepStatus
+from pearl.controlplane.errors import StalePlan
+from pearl.controlplane.fleet import Target
+from pearl.controlplane.orchestrator import orchestrate
+from pearl.controlplane.queries import query
+from pearl.controlplane.schema import GPU, Fleet, Plan, PlanStep
+from pearl.controlplane.state import load_snapshot
+from pearl.controlplane.transitions import set_gpu_states
+from plan_support import claim_ready, report, run_plan
+from sqlalchemy import Engine, select, text
+
+pytestmark = pytest.mark.integration
+
+# SMALL_INVENTORY (conftest): workers 1, 2 overlap on train-0; 3 dedicated on roll-0; 4 on spot-0 (not granted)
+COLOCATED_3 = Target(frozenset({1, 2, 3}), {Role.COLOCATED: 3}, reason="test: three colocated")
+SPLIT_3 = Target(frozenset({1, 2, 3}), {Role.PREFILL: 1, Role.DECODE: 2}, reason="test: 1P2D")
+
+
+def propose(engine: Engine, target: Target = COLOCATED_3) -> int:
+    """Orchestrate `target` against the current fleet and store it as a proposed plan."""
+    with transaction(engine, actor="test") as session:
+        snapshot = load_snapshot(session)
+        plan = orchestrate(snapshot, target)
+        decision = plans.write_decision(session, plans.DecisionRecord(
+            policy="test", state_version=snapshot.state_version, reason=target.reason,
+            target=plans.target_to_dict(target), inputs={"note": "test", "inf": float("inf")}))
+        plan_id = plans.write_plan(session, plan, decision)
+    assert plan_id is not None
+    return plan_id
+
+
+def rows(engine: Engine, plan_id: int) -> tuple[Plan, list[PlanStep]]:
+    with transaction(engine) as session:
+        plan = session.get(Plan, plan_id)
+        steps = session.scalars(select(PlanStep).where(PlanStep.plan_id == plan_id).order_by(PlanStep.id)).all()
+        return plan, list(steps)
+
+
+def fleet_state(engine: Engine) -> tuple[int, list[tuple], list[tuple]]:
+    """(state_version, workers, gpus): what a refused apply must leave alone."""
+    with engine.connect() as conn:
+        version = conn.execute(select(Fleet.state_version)).scalar_one()
+        workers = conn.execute(text("SELECT id, role, activity FROM workers ORDER BY id")).all()
+        gpus = conn.execute(text("SELECT id, state, worker_id FROM gpus ORDER BY id")).all()
+    return version, workers, gpus
+
+
+def test_a_plan_is_stored_with_its_steps_and_supersedes_older_proposals(cluster_engine: Engine) -> None:
+    first = propose(cluster_engine)
+    with transaction(cluster_engine) as session:
+        expected = orchestrate(load_snapshot(session), SPLIT_3)
+    second = propose(cluster_engine, SPLIT_3)
+    old, _ = rows(cluster_engine, first)
+    plan, steps = rows(cluster_engine, second)
+    assert old.status is PlanStatus.SUPERSEDED and old.error == f"superseded by plan {second}"
+    assert plan.status is PlanStatus.PROPOSED and plan.base_version == expected.base_version
+    assert (plan.d_worker, plan.d_role) == (expected.d_worker, expected.d_role) == (3, 0)
+    assert [s.key for s in steps] == [s.key for s in expected.steps]
+    assert all(s.status is StepStatus.BLOCKED for s in steps)
+    by_key = {s.key: s for s in steps}
+    for step in expected.steps:
+        row = by_key[step.key]
+        assert (row.action, row.worker_id, row.depends_on, row.args) == (
+            step.action, step.worker_id, list(step.after), dict(step.args))
+        assert row.expansion_group == (f"plan{second}.{step.group}" if step.group else None)
+    with cluster_engine.connect() as conn:
+        decision = conn.execute(text("SELECT policy, inputs, target FROM decisions WHERE id = :d"),
+                                {"d": plan.decision_id}).one()
+    assert decision.policy == "test" and decision.inputs == {"note": "test", "inf": None}
+    assert decision.target["counts"] == {"prefill": 1, "decode": 2}
+
+
+def test_an_empty_plan_writes_no_plan_row(cluster_engine: Engine) -> None:
+    with transaction(cluster_engine) as session:
+        empty = orchestrate(load_snapshot(session), Target(frozenset(), {}, reason="nothing"))
+        assert empty.empty and plans.write_plan(session, empty, None) is None
+    with cluster_engine.connect() as conn:
+        assert conn.execute(text("SELECT count(*) FROM plans")).scalar() == 0
+
+
+def test_apply_makes_the_dependency_free_steps_ready_and_wakes_their_nodes(cluster_engine: Engine) -> None:
+    import psycopg
+
+    plan_id = propose(cluster_engine)
+    url = cluster_engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
+    with psycopg.connect(url, autocommit=True) as listener:
+        listener.execute("LISTEN pearl_steps")
+        applied = plans.apply(cluster_engine, plan_id)
+        payloads = {n.payload for n in listener.notifies(timeout=2)}
+    plan, steps = rows(cluster_engine, plan_id)
+    assert plan.status is PlanStatus.APPLYING and plan.applied_at is not None
+    ready = [s.key for s in steps if s.status is StepStatus.READY]
+    assert sorted(ready) == list(applied.ready) == ["w1.start", "w2.start", "w3.start"]
+    assert all(s.status is StepStatus.BLOCKED for s in steps if s.key not in ready)
+    assert applied.nodes == ("roll-0", "train-0")
+    node_ids = {str(s.node_id) for s in steps if s.status is StepStatus.READY}
+    assert payloads == node_ids
+
+
+def test_a_stale_plan_is_refused_and_nothing_changes(cluster_engine: Engine) -> None:
+    plan_id = propose(cluster_engine)
+    with transaction(cluster_engine, actor="provider") as session:  # the fleet moves on: spot-0 is granted
+        spot = session.scalars(select(GPU.id).where(GPU.zone == "preemptible")).all()
+        set_gpu_states(session, spot, [GPUState.UNAVAILABLE], GPUState.FREE)
+    before = fleet_state(cluster_engine)
+    plan, _ = rows(cluster_engine, plan_id)
+    with pytest.raises(StalePlan) as refused:
+        plans.apply(cluster_engine, plan_id)
+    message = str(refused.value)
+    assert f"plan {plan_id} was computed at state_version {plan.base_version}, the fleet is at {before[0]}" in message
+    assert "run `pearlctl plan` again" in message
+    assert fleet_state(cluster_engine) == before
+    plan, steps = rows(cluster_engine, plan_id)
+    assert plan.status is PlanStatus.STALE and plan.error == message and plan.applied_at is None
+    assert all(s.status is StepStatus.BLOCKED for s in steps)
+    with pytest.raises(plans.PlanNotApplicable, match="is stale"):
+        plans.apply(cluster_engine, plan_id)
+
+
+def test_a_superseded_plan_cannot_be_applied(cluster_engine: Engine) -> None:
+    old = propose(cluster_engine)
+    new = propose(cluster_engine, SPLIT_3)
+    with pytest.raises(StalePlan, match=f"plan {old} was superseded by plan {new}"):
+        plans.apply(cluster_engine, old)
+    assert plans.apply(cluster_engine).plan_id == new  # the latest proposed one is the newer
+
+
+def test_one_plan_applies_at_a_time(cluster_engine: Engine) -> None:
+    first = propose(cluster_engine)
+    plans.apply(cluster_engine, first)
+    second = propose(cluster_engine, SPLIT_3)
+    with pytest.raises(plans.PlanNotApplicable, match=f"plan {first} is still applying"):
+        plans.apply(cluster_engine, second)
+    assert rows(cluster_engine, second)[0].status is PlanStatus.PROPOSED
+
+
+def test_unknown_plans_and_nothing_proposed(cluster_engine: Engine) -> None:
+    with pytest.raises(plans.NoPlan, match="PLAN_ID: plan 42 does not exist") as refused:
+        plans.apply(cluster_engine, 42)
+    assert refused.value.exit_code == 2
+    with pytest.raises(plans.NothingToApply, match="No proposed plan: run `pearlctl plan` first"):
+        plans.apply(cluster_engine)
+
+
+def test_steps_run_in_dependency_order_and_the_plan_succeeds(cluster_engine: Engine, clock) -> None:
+    plan_id = propose(cluster_engine, SPLIT_3)
+    plans.apply(cluster_engine, plan_id)
+    _, steps = rows(cluster_engine, plan_id)
+    after = {s.key: set(s.depends_on) for s in steps}
+    succeeded: set[str] = set()
+    rounds = 0
+    while claimed := claim_ready(cluster_engine, clock()):
+        rounds += 1
+        for step in claimed:
+            assert after[step["key"]] <= succeeded, f"{step['key']} ran before {after[step['key']] - succeeded}"
+        for step in claimed:
+            progress = report(cluster_engine, step, StepStatus.SUCCEEDED, clock.advance(1))
+            succeeded.add(step["key"])
+    assert succeeded == set(after) and rounds == 4  # start, load_weights, the group's admits, router_sync
+    assert progress.status is PlanStatus.SUCCEEDED
+    plan, steps = rows(cluster_engine, plan_id)
+    assert plan.status is PlanStatus.SUCCEEDED and plan.finished_at is not None
+    assert {s.status for s in steps} == {StepStatus.SUCCEEDED}
+
+
+def test_a_failed_step_fails_the_plan_and_cancels_the_group(cluster_engine: Engine, clock) -> None:
+    plan_id = propose(cluster_engine)
+    plans.apply(cluster_engine, plan_id)
+    progress = run_plan(cluster_engine, clock(), fail="w2.load_weights")
+    failed = [p for p in progress if p.status is PlanStatus.FAILED and p.cancelled]
+    assert len(failed) == 1
+    plan, steps = rows(cluster_engine, plan_id)
+    assert plan.status is PlanStatus.FAILED
+    assert plan.error == "step w2.load_weights (load_weights on worker 2) failed: boom"
+    status = {s.key: s.status for s in steps}
+    # no admit of the group ran: all-or-nothing; the members that took GPUs must give them back
+    assert all(status[f"w{w}.admit"] is StepStatus.CANCELLED for w in (1, 2, 3))
+    assert status["router_sync"] is StepStatus.CANCELLED
+    assert status["w2.load_weights"] is StepStatus.FAILED
+    assert set(failed[0].cancelled) == {k for k, s in status.items() if s is StepStatus.CANCELLED}
+    assert failed[0].release == (1, 2, 3)
+    assert status["w3.load_weights"] is StepStatus.SUCCEEDED  # it was running: its report still counts
+    with transaction(cluster_engine) as session:  # and reconciling again changes nothing
+        assert plans.reconcile(session, plan_id) == plans.PlanProgress(plan_id, PlanStatus.FAILED)
+
+
+def test_a_report_under_a_lost_claim_changes_nothing(cluster_engine: Engine, clock) -> None:
+    plan_id = propose(cluster_engine)
+    plans.apply(cluster_engine, plan_id)
+    step = claim_ready(cluster_engine, clock())[0]
+    with pytest.raises(plans.ClaimLost, match=f"step {step['id']} is not running under fence"):
+        report(cluster_engine, {**step, "fence": step["fence"] + 1000}, StepStatus.SUCCEEDED, clock())
+    _, steps = rows(cluster_engine, plan_id)
+    assert next(s for s in steps if s.id == step["id"]).status is StepStatus.RUNNING
+    with pytest.raises(plans.BadInput, match="status: a step finishes succeeded or failed"):
+        report(cluster_engine, step, StepStatus.CANCELLED, clock())
+
+
+def test_a_step_failed_by_the_rescuer_fails_the_plan_on_reconcile(cluster_engine: Engine, clock) -> None:
+    plan_id = propose(cluster_engine)
+    plans.apply(cluster_engine, plan_id)
+    claim_ready(cluster_engine, clock())
+    with transaction(cluster_engine) as session:  # every claim expires past its last attempt
+        session.execute(query("rescue_expired_steps"), {"now": clock.advance(60), "max_attempts": 1})
+        progress = plans.reconcile(session, plan_id)
+    assert progress.status is PlanStatus.FAILED and "claim expired" in rows(cluster_engine, plan_id)[0].error
+
+
+def test_plan_changes_are_in_the_events(cluster_engine: Engine, clock) -> None:
+    plan_id = propose(cluster_engine)
+    plans.apply(cluster_engine, plan_id, actor="operator")
+    run_plan(cluster_engine, clock())
+    with cluster_engine.connect() as conn:
+        plan_events = conn.execute(text(
+            "SELECT op, old_value, new_value, actor FROM transitions WHERE entity = 'plans' AND entity_id = :p "
+            "AND (field = 'status' OR op = 'insert') ORDER BY event_id"), {"p": str(plan_id)}).all()
+        step_events = conn.execute(text(
+            "SELECT count(*) FROM events WHERE entity = 'plan_steps' AND new ->> 'plan_id' = :p"),
+            {"p": str(plan_id)}).scalar()
+    assert [(e.op, e.old_value, e.new_value) for e in plan_events] == [
+        ("insert", None, None), ("update", "proposed", "applying"), ("update", "applying", "succeeded")]
+    assert plan_events[1].actor == "operator" and plan_events[2].actor == "test agent"
+    # each step: inserted, readied, claimed, finished
+    assert step_events == 4 * len(rows(cluster_engine, plan_id)[1])
+
+
+def test_wait_plan_returns_when_the_plan_finishes_and_times_out_otherwise(cluster_engine: Engine, clock) -> None:
+    plan_id = propose(cluster_engine)
+    plans.apply(cluster_engine, plan_id)
+    with pytest.raises(plans.PlanTimeout, match=f"plan {plan_id} is still applying after 0.2 s"):
+        plans.wait_plan(cluster_engine, plan_id, timeout_s=0.2, poll_s=0.05)
+    run_plan(cluster_engine, clock())
+    assert plans.wait_plan(cluster_engine, plan_id, timeout_s=5)["status"] == "succeeded"

@@ -1,0 +1,97 @@
+"""The profile store against real PostgreSQL: history per key, what the fleet plans with (fitted, else
+a measured engine over the workload prior, else the catalog prior), and keys that never mix devices."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from pearl.controlplane import profiles
+from pearl.controlplane.errors import BadInput
+from pearl.controlplane.profile import EngineProfile, ProfileKey, Provenance
+from pearl.controlplane.schema import Profile as ProfileRow
+from pearl.controlplane.workload import Workload
+from plan_support import paper_workload
+from sqlalchemy.orm import Session
+
+pytestmark = pytest.mark.integration
+
+FLEET = ProfileKey("qwen3-8b", "h800", 2, profiles.FLEET_DEVICE)
+WORKLOAD = Workload.model_validate(paper_workload())
+
+
+def engine_scaled(factor: float) -> EngineProfile:
+    """The catalog engine with every time multiplied by `factor` (a stand-in for a measurement)."""
+    e = profiles.catalog_prior(FLEET, WORKLOAD).engine
+    return replace(e, decode_base_s=tuple(x * factor for x in e.decode_base_s),
+                   prefill_s_per_token=e.prefill_s_per_token * factor)
+
+
+def test_without_rows_the_fleet_plans_with_the_catalog_prior(db_session: Session) -> None:
+    loaded = profiles.load_profile(db_session, FLEET, WORKLOAD)
+    assert loaded.row_id is None and loaded.provenance is Provenance.CATALOG
+    assert loaded.profile.key == ProfileKey("qwen3-8b", "h800", 2, "catalog")
+    assert loaded.profile.batch_size == 64 and loaded.profile.max_context_tokens == 32768
+    assert "catalog profile (qwen3-8b, h800, tp 2, catalog; computed)" == loaded.describe()
+
+
+def test_without_a_workload_block_or_telemetry_there_is_nothing_to_plan_with(db_session: Session) -> None:
+    with pytest.raises(profiles.NoWorkload, match=r"workload: the inventory has no `workload` block") as refused:
+        profiles.load_profile(db_session, FLEET, None)
+    assert refused.value.exit_code == 2
+
+
+def test_a_measured_engine_over_the_workload_prior(db_session: Session) -> None:
+    row = profiles.save_measured(db_session, FLEET, engine_scaled(2.0), {"device_name": "test"})
+    loaded = profiles.load_profile(db_session, FLEET, WORKLOAD)
+    prior = profiles.catalog_prior(FLEET, WORKLOAD)
+    assert loaded.provenance is Provenance.MEASURED and loaded.measured_id == row and loaded.row_id is None
+    assert loaded.profile.key == FLEET
+    assert loaded.profile.engine == engine_scaled(2.0) and loaded.profile.workload == prior.workload
+    assert loaded.profile.A > prior.A  # the measured engine is what the predictor now sees
+
+
+def test_a_measurement_on_one_device_never_overrides_another(db_session: Session) -> None:
+    on_gpu = profiles.save_measured(db_session, FLEET, engine_scaled(2.0), {})
+    # later measurements keyed to other devices, another tp, another GPU
+    cpu = ProfileKey("qwen3-8b", "cpu", 2, "cpu")
+    profiles.save_measured(db_session, cpu, engine_scaled(50.0), {})
+    profiles.save_measured(db_session, ProfileKey("qwen3-8b", "h800", 2, "cpu"), engine_scaled(40.0), {})
+    profiles.save_measured(db_session, replace(FLEET, tp=1), engine_scaled(30.0), {})
+    profiles.save_measured(db_session, replace(FLEET, gpu="h100"), engine_scaled(20.0), {})
+    loaded = profiles.load_profile(db_session, FLEET, WORKLOAD)
+    assert loaded.measured_id == on_gpu and loaded.profile.engine == engine_scaled(2.0)
+    assert profiles.measured_engine(profiles.current_row(db_session, cpu)) == engine_scaled(50.0)
+    # and a new measurement of the same key does take over
+    newer = profiles.save_measured(db_session, FLEET, engine_scaled(3.0), {})
+    assert profiles.load_profile(db_session, FLEET, WORKLOAD).measured_id == newer
+
+
+def test_a_fitted_row_wins_and_history_is_kept(db_session: Session) -> None:
+    prior = profiles.catalog_prior(FLEET, WORKLOAD)
+    first = profiles.save_profile(db_session, prior)
+    fitted = replace(prior, key=FLEET, provenance=Provenance.FITTED, steps_observed=1, t_over_s=0.25)
+    second = profiles.save_profile(db_session, fitted, based_on=first)
+    measured = profiles.save_measured(db_session, FLEET, engine_scaled(2.0), {})  # newer, but not fitted
+    loaded = profiles.load_profile(db_session, FLEET, None)  # a fitted profile needs no workload block
+    assert loaded.row_id == second and loaded.provenance is Provenance.FITTED
+    assert loaded.profile == fitted and loaded.profile.t_over_s == 0.25
+    assert [r.id for r in profiles.history(db_session, FLEET)] == [measured, second]
+    assert profiles.current_row(db_session, FLEET).id == measured
+    summary = profiles.row_summary(db_session.get(ProfileRow, second))
+    assert summary["provenance"] == "fitted" and summary["based_on"] == first and summary["steps_observed"] == 1
+
+
+def test_a_damaged_row_is_refused_naming_the_field(db_session: Session) -> None:
+    row = ProfileRow(model="qwen3-8b", gpu="h800", tp=2, device="cuda", provenance="fitted",
+                     params={"batch_size": 64})
+    db_session.add(row)
+    db_session.flush()
+    with pytest.raises(BadInput, match=f"profiles row {row.id}: profile: .*key"):
+        profiles.load_profile(db_session, FLEET, WORKLOAD)
+    broken = ProfileRow(model="qwen3-8b", gpu="h800", tp=2, device="cpu", provenance="measured",
+                        params={"engine": {"decode_batches": "x"}})
+    db_session.add(broken)
+    db_session.flush()
+    with pytest.raises(BadInput, match=f"profiles row {broken.id}: params.engine: decode_batches"):
+        profiles.measured_engine(broken)

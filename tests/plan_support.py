@@ -1,0 +1,123 @@
+"""Helpers for the tests of the profile store, telemetry ingestion, the plan store and the policy engine:
+inventories with a workload block, synthetic telemetry, and an agent's claim-and-report loop."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+from pearl.controlplane.cluster import import_inventory
+from pearl.controlplane.db import transaction
+from pearl.controlplane.domain import StepStatus
+from pearl.controlplane.inventory import parse_inventory
+from pearl.controlplane.plans import PlanProgress, finish_step
+from pearl.controlplane.queries import query
+from pearl.controlplane.workload import Workload
+from sqlalchemy import Engine, text
+
+REPO = Path(__file__).resolve().parent.parent
+PAPER_INVENTORY = REPO / "sim" / "inventories" / "paper-32-h800.yaml"
+PAPER_SCENARIO = REPO / "sim" / "scenarios" / "paper-qwen3-8b-seg2.yaml"
+
+
+def paper_workload() -> dict[str, Any]:
+    return yaml.safe_load(PAPER_SCENARIO.read_text())["workload"]
+
+
+def paper_inventory(workload: bool = True) -> dict[str, Any]:
+    """The paper's 32-GPU cluster, with the paper scenario's workload block."""
+    raw = yaml.safe_load(PAPER_INVENTORY.read_text())
+    if workload:
+        raw["workload"] = paper_workload()
+    return raw
+
+
+def small_inventory(workload: bool = True) -> dict[str, Any]:
+    """2 overlap slots on train-0, 1 dedicated slot on roll-0, 1 on spot-0 (tp 2)."""
+    raw = {
+        "model": "qwen3-8b", "gpu": "h800", "tp": 2,
+        "nodes": [
+            {"name": "train-0", "zone": "training", "gpus": 4, "address": "127.0.0.1"},
+            {"name": "roll-0", "zone": "rollout", "gpus": 2, "address": "127.0.0.1"},
+            {"name": "spot-0", "zone": "preemptible", "gpus": 2, "address": "127.0.0.1"},
+        ],
+    }
+    if workload:
+        raw["workload"] = paper_workload()
+    return raw
+
+
+def import_cluster(engine: Engine, raw: dict[str, Any]) -> None:
+    with transaction(engine, actor="test") as session:
+        import_inventory(session, parse_inventory(raw))
+
+
+def write_inventory(path: Path, raw: dict[str, Any]) -> Path:
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def telemetry(step: int, batch_size: int = 64, seed: int = 0, iterations: bool = False) -> dict[str, Any]:
+    """One rollout step drawn from the paper workload (design.md format)."""
+    w = Workload.model_validate(paper_workload())
+    rng = np.random.default_rng(seed + 1000 * step)
+    trajectories = []
+    for _ in range(batch_size):
+        turns = int(max(1, min(30, round(float(w.turns.sample(rng, 1)[0])))))
+        trajectories.append({
+            "turns": turns,
+            "prompt_tokens": int(w.prompt_tokens.sample(rng, 1)[0]),
+            "obs_tokens": [int(x) for x in w.obs_tokens_per_turn.sample(rng, turns - 1)],
+            "gen_tokens": [int(x) for x in w.gen_tokens_per_turn.sample(rng, turns)],
+            "env_s": [round(float(x), 3) for x in w.env_latency_s.sample(rng, turns - 1)],
+            "truncated": False,
+        })
+    body: dict[str, Any] = {"step": step, "batch_size": batch_size, "trajectories": trajectories,
+                            "decode_fraction": 0.6}
+    if iterations:
+        body["iterations"] = [
+            {"worker": 1, "role": "colocated", "batch": b, "context_tokens_mean": 8000.0, "prefill_tokens": 0,
+             "seconds": 0.012 + 0.0001 * b}
+            for b in (4, 4, 4, 8, 8, 8)
+        ]
+    return body
+
+
+def node_id(engine: Engine, name: str) -> int:
+    with engine.connect() as conn:
+        return conn.execute(text("SELECT id FROM nodes WHERE name = :n"), {"n": name}).scalar_one()
+
+
+def claim_ready(engine: Engine, now: datetime, agent: int | None = None) -> list[dict[str, Any]]:
+    """Claim every ready step of every node, as the nodes' agents would (one per worker at a time)."""
+    claimed: list[dict[str, Any]] = []
+    with transaction(engine) as session:
+        nodes = session.execute(text("SELECT id FROM nodes ORDER BY id")).scalars().all()
+        for n in nodes:
+            rows = session.execute(query("claim_steps"), {"node_id": n, "agent_id": agent, "now": now,
+                                                          "lease_s": 30, "limit": 100}).mappings().all()
+            claimed.extend(dict(r) for r in rows)
+    return claimed
+
+
+def report(engine: Engine, step: dict[str, Any], status: StepStatus, now: datetime,
+           error: str | None = None) -> PlanProgress:
+    with transaction(engine, actor="test agent") as session:
+        return finish_step(session, step["id"], step["fence"], status, error=error, now=now)
+
+
+def run_plan(engine: Engine, now: datetime, fail: str | None = None, limit: int = 100) -> list[PlanProgress]:
+    """Claim and report every step until nothing is ready; the step keyed `fail` fails."""
+    progress: list[PlanProgress] = []
+    for _ in range(limit):
+        claimed = claim_ready(engine, now)
+        if not claimed:
+            return progress
+        for step in claimed:
+            failed = step["key"] == fail
+            progress.append(report(engine, step, StepStatus.FAILED if failed else StepStatus.SUCCEEDED, now,
+                                   "boom" if failed else None))
+    raise AssertionError("the plan never settled")
