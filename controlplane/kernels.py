@@ -91,9 +91,11 @@ class MeasureSpec:
             raise BadInput(f"--device: must be cpu or cuda, got {self.device!r}")
         if not 0 < self.scale <= 1:
             raise BadInput(f"--scale: must be in (0, 1], got {self.scale}")
-        for name in ("tp", "max_batch", "context_tokens", "chunk_tokens", "repeats"):
+        options = {"tp": "--tp", "max_batch": "--max-batch", "context_tokens": "--context", "chunk_tokens": "--chunk",
+                   "repeats": "--repeats"}
+        for name, option in options.items():
             if getattr(self, name) < 1:
-                raise BadInput(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(self, name)}")
+                raise BadInput(f"{option}: must be >= 1, got {getattr(self, name)}")
         if self.max_batch < 2:
             raise BadInput("--max-batch: must be >= 2 (the decode curve needs two points)")
         if not 0 < self.context_small < self.context_tokens:

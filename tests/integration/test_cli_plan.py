@@ -7,7 +7,7 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -26,7 +26,7 @@ PEARLCTL = Path(sys.executable).with_name("pearlctl")
 
 
 @pytest.fixture
-def engine(database_url: str) -> Engine:
+def engine(database_url: str) -> Iterator[Engine]:
     engine = create_engine(database_url, poolclass=NullPool)
     yield engine
     engine.dispose()
