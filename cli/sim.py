@@ -122,5 +122,12 @@ def compare(scenario: ScenarioOpt, set_: SetOpt = None, json_: JsonOpt = False, 
     _show(_table(f"{sc.name}: systems", data["systems"], ratios=True))
     if data.get("ablations"):
         _show(_table(f"{sc.name}: ablations", data["ablations"], ratios=True))
+    bound = data["checks"].get("oracle_upper_bound")
+    if bound is not None and bound["ok"]:
+        out.print("[green]check: oracle >= every other system[/]")
+    elif bound is not None:
+        beaten = ", ".join(f"{v['system']} ({v['tokens_per_s']:,.0f} tok/s)" for v in bound["violations"])
+        out.print(f"[bold red]CHECK FAILED: the oracle ({bound['violations'][0]['oracle_tokens_per_s']:,.0f} tok/s) "
+                  f"is below {beaten}[/]")
     if plot is not None:
         err.print(f"wrote {plot}")

@@ -20,6 +20,8 @@ def run_system(scenario: Scenario, name: str, progress: Progress | None = None) 
     chosen = system(name)
     cluster = chosen.cluster(scenario)
     report = (lambda t: progress(name, t)) if progress is not None else None
+    if chosen.run is not None:
+        return chosen.run(cluster, report)
     return simulate(cluster, chosen.policy(cluster), report)
 
 
@@ -40,6 +42,20 @@ class Comparison:
             out[f"vs_{base}"] = round(mine / ref.tokens_per_s, 4) if ref and ref.tokens_per_s > 0 else None
         return out
 
+    def checks(self) -> dict[str, Any]:
+        """`oracle_upper_bound`: the oracle is at least every other system and ablation (method.md);
+        a violation is reported, never hidden."""
+        oracle = self.systems.get("oracle")
+        if oracle is None:
+            return {}
+        others = {**self.systems, **self.ablations}
+        bound = round(oracle.tokens_per_s, 3)
+        violations = [
+            {"system": n, "tokens_per_s": round(r.tokens_per_s, 3), "oracle_tokens_per_s": bound}
+            for n, r in others.items() if n != "oracle" and r.tokens_per_s > oracle.tokens_per_s
+        ]
+        return {"oracle_upper_bound": {"ok": not violations, "violations": violations}}
+
     def as_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "scenario": self.scenario,
@@ -47,6 +63,7 @@ class Comparison:
         }
         if self.with_ablations:
             out["ablations"] = {n: {**r.as_dict(), **self.ratios(n, "ablations")} for n, r in self.ablations.items()}
+        out["checks"] = self.checks()
         return out
 
 

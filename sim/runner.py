@@ -65,6 +65,7 @@ class Simulation:
         self.sink: list[tuple] = []
         self.nic_free: dict[Engine, float] = {}
         self.decide_pending: list[str] = []
+        self.halted = False  # set by a subclass to stop `advance` after the current event (the oracle)
         self.batch: list[Trajectory] = []
         self.remaining = 0
         self.telemetry: StepTelemetry | None = None
@@ -115,7 +116,7 @@ class Simulation:
     def advance(self, until: float) -> None:
         """Process every event up to `until` (a run can be paused, copied and resumed: the oracle)."""
         heap, next_report = self.heap, self.now
-        while heap and heap[0][0] <= until:
+        while heap and heap[0][0] <= until and not self.halted:
             t, _, kind, a, b = heapq.heappop(heap)
             self.now = t
             self.events += 1
@@ -139,7 +140,8 @@ class Simulation:
             if self.progress is not None and t >= next_report:
                 self.progress(t)
                 next_report = t + 60.0
-        self.now = max(self.now, until)
+        if not self.halted:
+            self.now = max(self.now, until)
 
     def finish(self, wall_s: float = 0.0) -> Result:
         self._count_gpus(0)

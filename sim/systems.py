@@ -12,10 +12,15 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from pearl.controlplane.catalog import default_catalog
 from pearl.controlplane.errors import BadInput
+from pearl.controlplane.perfmodel import PerfModel
 from pearl.policies.base import Policy
 from pearl.policies.baselines import ElasticColocated, StaticColocated
+from pearl.policies.pearl import Borrow, PearlPolicy
 
+from .metrics import Result
+from .oracle import OraclePolicy, run_oracle
 from .scenario import Scenario
 
 
@@ -25,6 +30,8 @@ class System:
     description: str
     policy: Callable[[Scenario], Policy]
     cluster: Callable[[Scenario], Scenario]  # the scenario as this system sees it (its GPUs)
+    # its own kind of run (the oracle's search); None: one simulation of `policy`
+    run: Callable[[Scenario, Callable[[float], None] | None], Result] | None = None
 
 
 def _same(scenario: Scenario) -> Scenario:
@@ -43,6 +50,18 @@ def roll_large_gpus(scenario: Scenario) -> int:
     return math.ceil(round(mean, 9) / scenario.tp) * scenario.tp
 
 
+def pearl(name: str, borrow: Borrow = Borrow.GATED, forced_split: bool = False) -> Callable[[Scenario], Policy]:
+    """The PEARL policy on a scenario: its workload and the catalog perf model as the prior."""
+
+    def build(sc: Scenario) -> Policy:
+        catalog = default_catalog()
+        perf = PerfModel(catalog.model(sc.model), catalog.gpu(sc.gpu), sc.tp)
+        return PearlPolicy.build(sc.workload, perf, sc.reconfig, sc.training.weight_sync_s, name=name,
+                                 borrow=borrow, forced_split=forced_split)
+
+    return build
+
+
 SYSTEMS: dict[str, System] = {
     s.name: s
     for s in (
@@ -53,10 +72,24 @@ SYSTEMS: dict[str, System] = {
                lambda sc: without_preemptible(sc, roll_large_gpus(sc))),
         System("rlboost-plus", "reserved + preemptible GPUs, elastic, colocated, no borrowing",
                lambda sc: ElasticColocated("rlboost-plus"), _same),
+        System("pearl", "reserved + preemptible GPUs, adaptive PD mode and ratio, gated borrowing",
+               pearl("pearl"), _same),
+        System("oracle", "pearl's GPUs with hindsight and free reconfiguration: best mode, ratio, borrowing per step",
+               lambda sc: OraclePolicy(), _same, run_oracle),
     )
 }
 
-ABLATIONS: dict[str, System] = {}  # pearl-pd-only, pearl-ungated, pearl-forced-split come with pearl
+ABLATIONS: dict[str, System] = {
+    s.name: s
+    for s in (
+        System("pearl-pd-only", "pearl without borrowing (adaptive PD only)",
+               pearl("pearl-pd-only", Borrow.NEVER), _same),
+        System("pearl-ungated", "pearl borrowing whenever the training GPUs are idle, no gate",
+               pearl("pearl-ungated", Borrow.ALWAYS), _same),
+        System("pearl-forced-split", "pearl always split, at the ratio the predictor prefers among splits",
+               pearl("pearl-forced-split", forced_split=True), _same),
+    )
+}
 
 
 def system(name: str) -> System:

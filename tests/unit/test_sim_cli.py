@@ -16,6 +16,8 @@ pytestmark = pytest.mark.unit
 
 RUN_KEYS = {"scenario", "policy", "tokens_per_s", "rollout_steps", "gpu_seconds", "reconfigurations"}
 SHORT = ["--set", "duration_s=1200"]
+TINY = ["--set", "duration_s=900", "--set", "workload.batch_size=16"]  # for compare: the oracle searches each step
+SYSTEMS = {"roll", "roll-large", "rlboost-plus", "pearl", "oracle"}
 
 
 @pytest.fixture
@@ -44,27 +46,32 @@ def test_set_overrides_reach_the_simulation(cli):
 
 
 def test_compare_json_has_every_system_and_the_ratios(cli):
-    res = cli("sim", "compare", "--scenario", "paper-qwen3-8b-seg1", *SHORT, "--json")
+    res = cli("sim", "compare", "--scenario", "paper-qwen3-8b-seg1", *TINY, "--json")
     assert res.exit_code == 0, res.output
     data = json.loads(res.stdout)
     assert data["scenario"] == "paper-qwen3-8b-seg1"
-    assert set(data["systems"]) == {"roll", "roll-large", "rlboost-plus"}
+    assert set(data["systems"]) == SYSTEMS
+    assert data["checks"]["oracle_upper_bound"] == {"ok": True, "violations": []}
     for row in data["systems"].values():
         assert RUN_KEYS - {"scenario", "policy"} <= row.keys()
     assert data["systems"]["roll"]["vs_roll"] == 1.0
     rlb = data["systems"]["rlboost-plus"]
     assert rlb["vs_roll"] == pytest.approx(rlb["tokens_per_s"] / data["systems"]["roll"]["tokens_per_s"], rel=1e-3)
     assert "ablations" not in data
-    with_ablations = json.loads(cli("sim", "compare", "--scenario", "paper-qwen3-8b-seg1", *SHORT, "--ablations",
+    with_ablations = json.loads(cli("sim", "compare", "--scenario", "paper-qwen3-8b-seg1", *TINY, "--ablations",
                                     "--json").stdout)
-    assert "ablations" in with_ablations and not set(with_ablations["ablations"]) & set(with_ablations["systems"])
+    assert set(with_ablations["ablations"]) == {"pearl-pd-only", "pearl-ungated", "pearl-forced-split"}
+    assert set(with_ablations["systems"]) == SYSTEMS
+    for row in with_ablations["ablations"].values():
+        assert RUN_KEYS - {"scenario", "policy"} <= row.keys() and "vs_rlboost-plus" in row
 
 
 def test_compare_table_names_every_system(cli):
-    res = cli("sim", "compare", "--scenario", "paper-qwen3-8b-seg1", *SHORT)
+    res = cli("sim", "compare", "--scenario", "paper-qwen3-8b-seg1", *TINY)
     assert res.exit_code == 0
-    for name in ("roll", "roll-large", "rlboost-plus"):
+    for name in SYSTEMS:
         assert name in res.stdout
+    assert "oracle >= every other system" in res.stdout
 
 
 def test_plot_writes_a_png(cli, tmp_path: Path):
@@ -74,12 +81,12 @@ def test_plot_writes_a_png(cli, tmp_path: Path):
     assert res.exit_code == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     both = tmp_path / "compare.png"
-    assert cli("sim", "compare", "--scenario", "paper-qwen3-8b-seg1", *SHORT, "--plot", str(both)).exit_code == 0
+    assert cli("sim", "compare", "--scenario", "paper-qwen3-8b-seg1", *TINY, "--plot", str(both)).exit_code == 0
     assert both.stat().st_size > 10_000
 
 
 @pytest.mark.parametrize(("args", "needle"), [
-    (["--policy", "nope"], "known: roll, roll-large, rlboost-plus"),
+    (["--policy", "nope"], "known: roll, roll-large, rlboost-plus, pearl, oracle, pearl-pd-only"),
     (["--policy", "roll", "--set", "workload.batch_size=abc"], "workload.batch_size"),
     (["--policy", "roll", "--set", "workload.colour=red"], "workload.colour"),
     (["--policy", "roll", "--set", "cluster.reserved_rollout_gpus=3"], "cluster.reserved_rollout_gpus"),
@@ -107,13 +114,14 @@ def test_the_installed_command_prints_json_only_on_stdout(tmp_path):
     assert RUN_KEYS <= json.loads(proc.stdout).keys()
 
 
-def test_runs_are_identical_across_processes(tmp_path):
+@pytest.mark.parametrize("policy", ["rlboost-plus", "pearl"])
+def test_runs_are_identical_across_processes(tmp_path, policy):
     exe = Path(sys.executable).with_name("pearlctl")
     outputs = []
     for hash_seed in ("1", "2"):
         env = {**os.environ, "PYTHONHASHSEED": hash_seed}
         proc = subprocess.run([str(exe), "sim", "run", "--scenario", "paper-qwen3-8b-seg1", "--policy",
-                               "rlboost-plus", *SHORT, "--json"], capture_output=True, text=True, timeout=120,
+                               policy, *SHORT, "--json"], capture_output=True, text=True, timeout=120,
                               cwd=tmp_path, env=env)
         data = json.loads(proc.stdout)
         data.pop("wall_s")

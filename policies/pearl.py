@@ -1,0 +1,306 @@
+"""The PEARL policy: the decision core's selector, the borrowing gate, preemption and growth.
+
+Pure: no I/O, no simulator imports; the simulator and the live policy loop call the same `decide`.
+Each call:
+1. folds what was measured since the last call into the memory: the step's telemetry refits the
+   profile (`tracker.fit_profile`, with the step's makespan when it ran at one configuration, so
+   that T_over is fitted), measured borrow cycles refine the toggle cost (`ToggleCost.update`),
+   and measured plan-step durations refine the switch costs (`SwitchCosts.with_measured`);
+2. takes the budget: the dedicated slots available now (granted, not under a notice: a slot
+   under a notice leaves the target at once and is drained before the notice runs out, partial
+   trajectories kept) plus, when borrowable, the overlap slots (none while an optimizer step runs
+   or the trainer wants its GPUs back: the return is mandatory);
+3. gates borrowing (method.md): with T_ded and T_full the best predicted remaining makespans on the
+   dedicated slots alone and with the overlap slots added, borrow iff (R/B)(T_ded - T_full) >
+   T_toggle. Once borrowed, the activation is paid and the return is due whatever happens, so the
+   overlap slots stay while they still shorten the step (gain > 0);
+4. lets the selector pick the configuration for that budget against the current one, with its
+   hysteresis (`selector.select`); forced switches (the current shape became infeasible, or
+   nothing runs) are never blocked there;
+5. returns a Target: the members and the counts per role, with the reasons. New slots join it and
+   the orchestrator starts them in the background as one all-or-nothing group.
+
+Hysteresis horizon: a switch must pay for itself within the remainder of the step under way (the
+selector's `horizon_s` = 0): the budget changes again at the next training begin when borrowing,
+and with the preemptible trace's next change otherwise, so no later step can be counted on.
+
+The ablations are constructor options: `borrow` = gated | never (pearl-pd-only) | always
+(pearl-ungated), and `forced_split` (always split, at the ratio the predictor prefers among splits).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, replace
+from enum import StrEnum
+from typing import Any
+
+from pearl.controlplane.domain import Activity, Mode
+from pearl.controlplane.errors import BadInput
+from pearl.controlplane.fleet import FleetSnapshot, Target
+from pearl.controlplane.perfmodel import PerfModel
+from pearl.controlplane.predictor import Config
+from pearl.controlplane.profile import Profile, profile_from_dict, profile_from_workload, profile_to_dict
+from pearl.controlplane.selector import Candidate, Selection, current_config, select
+from pearl.controlplane.tracker import fit_profile
+from pearl.controlplane.workload import Workload
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from .base import Signals, colocated, split
+from .borrowing import GateDecision, ToggleCost, borrowable, gate, toggle_cost_prior
+from .elasticity import dedicated_capacity
+from .switching import SwitchCosts, decide_switch
+
+MIXED = "mixed"  # the step ran at more than one configuration: its makespan says nothing about T_over
+
+
+class Borrow(StrEnum):
+    """When the policy borrows the training GPUs between optimizer steps."""
+
+    GATED = "gated"  # the borrowing gate of method.md
+    NEVER = "never"  # pearl-pd-only
+    ALWAYS = "always"  # pearl-ungated: whenever they are idle
+
+
+@dataclass(frozen=True)
+class PearlMemory:
+    """What the policy carries between calls; `to_dict` / `from_dict` store it as one JSON value."""
+
+    profile: Profile  # the prior, then refit from every step's telemetry
+    toggle: ToggleCost  # T_toggle of the gate
+    costs: SwitchCosts  # the hysteresis' switch costs
+    fitted_step: int = -1  # the last rollout step whose telemetry is in the profile
+    step: int = -1  # the rollout step under way, timed for the T_over fit
+    step_began_s: float = 0.0
+    step_config: str = ""  # the configuration the step ran at ("" before any, MIXED when it changed)
+    durations: Mapping[str, float] = field(default_factory=dict)  # step durations already folded into costs
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "profile": profile_to_dict(self.profile),
+            "toggle": asdict(self.toggle),
+            "costs": asdict(self.costs),
+            "fitted_step": self.fitted_step,
+            "step": self.step,
+            "step_began_s": self.step_began_s,
+            "step_config": self.step_config,
+            "durations": dict(self.durations),
+        }
+
+    @classmethod
+    def from_dict(cls, raw: Any) -> PearlMemory:
+        """Rebuild from `to_dict`'s output; BadInput names the faulty field."""
+        if not isinstance(raw, Mapping) or "profile" not in raw:
+            raise BadInput("memory: a mapping with a profile is expected")
+        rest = {k: v for k, v in raw.items() if k != "profile"}
+        try:
+            fields = _MemoryFields.model_validate(rest)
+        except ValidationError as exc:
+            where = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
+            raise BadInput(f"memory: {where}") from None
+        return cls(
+            profile=profile_from_dict(raw["profile"]),
+            toggle=ToggleCost(**fields.toggle.model_dump()),
+            costs=SwitchCosts(**fields.costs.model_dump()),
+            fitted_step=fields.fitted_step,
+            step=fields.step,
+            step_began_s=fields.step_began_s,
+            step_config=fields.step_config,
+            durations=dict(fields.durations),
+        )
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class _Toggle(_Strict):
+    seconds: float
+    measured: int = 0
+
+
+class _Costs(_Strict):
+    cold_start_s: float
+    admit_s: float
+    role_switch_s: float
+    weight_sync_s: float = 0.0
+
+
+class _MemoryFields(_Strict):
+    toggle: _Toggle
+    costs: _Costs
+    fitted_step: int = -1
+    step: int = -1
+    step_began_s: float = 0.0
+    step_config: str = ""
+    durations: dict[str, float] = {}
+
+
+@dataclass(frozen=True)
+class PearlPolicy:
+    """The `pearl` system's policy and its ablations (module docstring)."""
+
+    prior: Profile  # the workload block with the catalog perf model, until telemetry arrives
+    toggle_prior: ToggleCost
+    costs_prior: SwitchCosts
+    name: str = "pearl"
+    borrow: Borrow = Borrow.GATED
+    forced_split: bool = False
+
+    @classmethod
+    def build(
+        cls,
+        workload: Workload,
+        perf: PerfModel,
+        reconfig: Any,
+        weight_sync_s: float,
+        *,
+        name: str = "pearl",
+        borrow: Borrow = Borrow.GATED,
+        forced_split: bool = False,
+    ) -> PearlPolicy:
+        """From a scenario's or an inventory's workload block, perf model and `reconfig` costs."""
+        return cls(
+            prior=profile_from_workload(workload, perf),
+            toggle_prior=toggle_cost_prior(reconfig.toggle_on_s, reconfig.toggle_off_s, weight_sync_s),
+            costs_prior=SwitchCosts.from_reconfig(reconfig, weight_sync_s),
+            name=name,
+            borrow=Borrow(borrow),
+            forced_split=forced_split,
+        )
+
+    def initial_memory(self) -> PearlMemory:
+        return PearlMemory(self.prior, self.toggle_prior, self.costs_prior)
+
+    def decide(self, snapshot: FleetSnapshot, signals: Signals, memory: PearlMemory) -> tuple[Target, PearlMemory]:
+        memory = _observe(memory, signals)
+        dedicated = [w.id for w in dedicated_capacity(snapshot)]
+        overlap = [w.id for w in borrowable(snapshot, signals)] if self.borrow is not Borrow.NEVER else []
+        notes = []
+        if signals.deadlines:
+            notes.append(f"releasing {sorted(signals.deadlines)} before their notice runs out")
+        if self.borrow is not Borrow.NEVER and not overlap and (signals.training or signals.training_wanted):
+            notes.append("training runs or wants its GPUs: no overlap slot")
+        if not dedicated and not overlap:
+            return colocated([], "; ".join(["no rollout slot available", *notes])), memory
+        # The shape of the workers that stay: those leaving (notices, mandatory return) do not count.
+        current = current_config(FleetSnapshot(snapshot.state_version, tuple(
+            w for w in snapshot.workers if w.available or w.activity is Activity.INACTIVE), snapshot.tp))
+        rf = signals.remaining_fraction if signals.remaining > 0 else 1.0  # no step under way: the next, whole
+
+        def choose(n: int) -> tuple[Config | None, float, str]:
+            return self._pick(select(memory.profile, n, current, costs=memory.costs, remaining_fraction=rf),
+                              memory.costs)
+
+        ded = choose(len(dedicated)) if dedicated else None
+        chosen, _, reason = ded if ded is not None else (None, math.inf, "")
+        members = dedicated
+        if overlap:
+            full = choose(len(dedicated) + len(overlap))
+            borrowing, verdict = self._borrow(snapshot, overlap, rf, memory.toggle, full[1],
+                                              ded[1] if ded is not None else math.inf)
+            notes.append(verdict)
+            if borrowing:
+                chosen, _, reason = full
+                members = dedicated + overlap
+        if not members:
+            target = colocated([], "; ".join(["no dedicated slot and no borrowing", *notes]))
+        elif chosen is None:
+            target = colocated(members, "; ".join([f"{reason}: colocated", *notes]))
+        elif chosen.mode is Mode.COLOCATED:
+            target = colocated(members, "; ".join([reason, *notes]))
+        else:
+            target = split(members, chosen.n_prefill, "; ".join([reason, *notes]))
+        return target, _record(memory, signals, chosen)
+
+    def _pick(self, sel: Selection, costs: SwitchCosts) -> tuple[Config | None, float, str]:
+        """The configuration to run, the best predicted remaining makespan the budget allows (what
+        the gate compares; inf when nothing is feasible), and why."""
+        if not self.forced_split:
+            best = _predicted(sel, sel.best) if sel.best is not None else math.inf
+            return sel.chosen, best, sel.reason
+        splits = [c for c in sel.candidates if c.feasible and c.config.mode is Mode.SPLIT]
+        if not splits:
+            t = _predicted(sel, sel.best) if sel.best is not None else math.inf
+            return sel.chosen, t, f"forced split: no feasible split ({sel.reason})"
+        best = splits[0]
+        reference = _split_continuation(sel.current, best.config.workers)
+        ref = next((c for c in splits if c.config == reference), None)
+        if ref is None or ref.config == best.config:
+            return best.config, best.predicted_s, f"forced split: {best.config} is the best split"
+        d = decide_switch(ref.config, ref.predicted_s, best.config, best.predicted_s, costs)
+        kept = best if d.switch else ref
+        return kept.config, best.predicted_s, f"forced split: {d.reason}"
+
+    def _borrow(self, snapshot: FleetSnapshot, overlap: list[int], rf: float, toggle: ToggleCost, t_full: float,
+                t_ded: float) -> tuple[bool, str]:
+        """Whether to hold the borrowable overlap slots now, and why."""
+        if self.borrow is Borrow.ALWAYS:
+            return True, f"borrowing {len(overlap)} overlap workers (ungated)"
+        g: GateDecision = gate(rf, t_ded, t_full if math.isfinite(t_full) else t_ded, toggle)
+        ids = set(overlap)
+        holding = any(w.id in ids and w.activity is not Activity.INACTIVE for w in snapshot.workers)
+        if g.borrow:
+            return True, "gate: " + g.reason
+        if holding and g.gain_s > 0:
+            return True, f"gate: keep the borrowed workers, they still save {g.gain_s:.1f} s (activation paid)"
+        return False, "gate: " + g.reason
+
+
+def _predicted(sel: Selection, config: Config) -> float:
+    found: Candidate | None = next((c for c in sel.candidates if c.config == config), None)
+    return found.predicted_s if found is not None and found.feasible else math.inf
+
+
+def _split_continuation(current: Config | None, n: int) -> Config | None:
+    """The current split at `n` workers, keeping its P:D ratio (None when it is not a split)."""
+    if current is None or current.mode is not Mode.SPLIT or n < 2:
+        return None
+    p = min(n - 1, max(1, round(current.n_prefill * n / current.workers)))
+    return Config.split(p, n - p)
+
+
+def _observe(memory: PearlMemory, signals: Signals) -> PearlMemory:
+    """Fold in what was measured since the last call (module docstring, 1)."""
+    profile = memory.profile
+    tel = signals.telemetry
+    if tel is not None and tel.step > memory.fitted_step:
+        config = _config_of(memory.step_config) if memory.step == tel.step else None
+        makespan = signals.now - memory.step_began_s if config is not None else None
+        profile = fit_profile(profile, tel, makespan_s=makespan if makespan and makespan > 0 else None,
+                              config=config)
+    changed = {k: v for k, v in signals.step_durations.items() if memory.durations.get(k) != v}
+    costs = memory.costs.with_measured(changed) if changed else memory.costs
+    return replace(
+        memory,
+        profile=profile,
+        toggle=memory.toggle.update(signals),
+        costs=costs,
+        fitted_step=tel.step if tel is not None else memory.fitted_step,
+        durations={**memory.durations, **changed},
+    )
+
+
+def _record(memory: PearlMemory, signals: Signals, chosen: Config | None) -> PearlMemory:
+    """Time the step under way and note the configuration it runs at."""
+    label = chosen.label + f"/{chosen.workers}" if chosen is not None else MIXED
+    if signals.rollout_step != memory.step:
+        if signals.remaining <= 0:
+            return memory
+        return replace(memory, step=signals.rollout_step, step_began_s=signals.now, step_config=label)
+    if memory.step_config not in ("", label):
+        label = MIXED
+    return replace(memory, step_config=label)
+
+
+def _config_of(label: str) -> Config | None:
+    """The inverse of `_record`'s label ('colocated/8', '2P6D/8'); None for a mixed step."""
+    if not label or label == MIXED:
+        return None
+    shape, _, workers = label.partition("/")
+    if shape == "colocated":
+        return Config.colocated(int(workers))
+    p, _, d = shape.rstrip("D").partition("P")
+    return Config.split(int(p), int(d))
+

@@ -1,0 +1,222 @@
+"""The PEARL policy's decisions on crafted fleets and signals: the gate, the mandatory return,
+notices, growth, forced switches, the ablations' options, and its memory."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+from pearl.controlplane.catalog import default_catalog
+from pearl.controlplane.domain import Activity, Mode, Role, WorkerZone
+from pearl.controlplane.errors import BadInput
+from pearl.controlplane.fleet import FleetSnapshot, WorkerSlot
+from pearl.controlplane.orchestrator import orchestrate
+from pearl.controlplane.perfmodel import PerfModel
+from pearl.controlplane.predictor import Config
+from pearl.controlplane.selector import select
+from pearl.controlplane.telemetry import StepTelemetry
+from pearl.policies.base import Signals
+from pearl.policies.borrowing import ToggleCost
+from pearl.policies.pearl import Borrow, PearlMemory, PearlPolicy
+from pearl.sim.scenario import load_scenario
+from pearl.sim.trajectories import sample_batch
+
+pytestmark = pytest.mark.unit
+
+SCENARIO = load_scenario("paper-qwen3-8b-seg2")
+CATALOG = default_catalog()
+
+
+def _policy(scenario=SCENARIO, **kw) -> PearlPolicy:
+    perf = PerfModel(CATALOG.model(scenario.model), CATALOG.gpu(scenario.gpu), scenario.tp)
+    return PearlPolicy.build(scenario.workload, perf, scenario.reconfig, scenario.training.weight_sync_s, **kw)
+
+
+POLICY = _policy()
+
+
+def _slot(wid: int, zone=WorkerZone.DEDICATED, role=Role.COLOCATED, active=False, available=True) -> WorkerSlot:
+    return WorkerSlot(id=wid, node="train-0" if zone is WorkerZone.OVERLAP else "roll-0", gpus=(2 * wid, 2 * wid + 1),
+                      zone=zone, role=role, activity=Activity.ACTIVE if active else Activity.INACTIVE,
+                      available=available)
+
+
+def _fleet(dedicated: int = 2, overlap: int = 8, overlap_active: bool = False, overlap_available: bool = True,
+           extra: tuple[WorkerSlot, ...] = ()) -> FleetSnapshot:
+    slots = [_slot(i, active=True) for i in range(dedicated)] + list(extra)
+    base = len(slots)
+    slots += [_slot(base + i, WorkerZone.OVERLAP, Role.COLOCATED if overlap_active else Role.TRAINING,
+                    active=overlap_active, available=overlap_available) for i in range(overlap)]
+    return FleetSnapshot(7, tuple(slots), tp=2)
+
+
+def _signals(**kw) -> Signals:
+    base = dict(now=100.0, event="training_end", rollout_step=3, batch_size=64, remaining=60, training=False,
+                training_wanted=False)
+    return Signals(**{**base, **kw})
+
+
+def _overlap_ids(snapshot: FleetSnapshot) -> set[int]:
+    return {w.id for w in snapshot.workers if w.zone is WorkerZone.OVERLAP}
+
+
+def _telemetry(step: int = 0) -> StepTelemetry:
+    trajectories = [t.record() for t in sample_batch(SCENARIO.workload, SCENARIO.seed, step)]
+    return StepTelemetry(step=step, batch_size=len(trajectories), trajectories=trajectories, decode_fraction=0.4)
+
+
+def test_borrows_when_the_gate_says_so_and_not_otherwise():
+    fleet = _fleet()
+    target, _ = POLICY.decide(fleet, _signals(), POLICY.initial_memory())
+    assert _overlap_ids(fleet) <= target.members and "gate: borrow" in target.reason
+    # the same decision with a toggle cost no gain can pay for
+    costly = replace(POLICY.initial_memory(), toggle=ToggleCost(1e6))
+    target, _ = POLICY.decide(fleet, _signals(), costly)
+    assert not (_overlap_ids(fleet) & target.members) and "do not borrow" in target.reason
+    assert target.members == {0, 1}
+
+
+def test_the_gate_uses_the_predicted_makespans_of_both_budgets():
+    fleet, signals = _fleet(), _signals(remaining=32)
+    profile = POLICY.prior
+    t_ded = select(profile, 2, Config.colocated(2), remaining_fraction=0.5).candidates[0].predicted_s
+    t_full = select(profile, 10, Config.colocated(2), remaining_fraction=0.5).candidates[0].predicted_s
+    gain = 0.5 * (t_ded - t_full)
+    just_below = replace(POLICY.initial_memory(), toggle=ToggleCost(gain * 0.99))
+    just_above = replace(POLICY.initial_memory(), toggle=ToggleCost(gain * 1.01))
+    assert _overlap_ids(fleet) <= POLICY.decide(fleet, signals, just_below)[0].members
+    assert not _overlap_ids(fleet) & POLICY.decide(fleet, signals, just_above)[0].members
+
+
+@pytest.mark.parametrize("borrow", list(Borrow))
+@pytest.mark.parametrize("flags", [{"training": True}, {"training_wanted": True}])
+def test_never_holds_an_overlap_slot_while_training_runs_or_wants_its_gpus(borrow, flags):
+    policy = _policy(borrow=borrow)
+    fleet = _fleet(overlap_active=True, overlap_available=False)  # borrowed, and the trainer wants them back
+    target, _ = policy.decide(fleet, _signals(**flags), policy.initial_memory())
+    assert not _overlap_ids(fleet) & target.members
+    assert target.members == {0, 1}
+    plan = orchestrate(fleet, target)
+    assert plan.remove == _overlap_ids(fleet)
+
+
+def test_ungated_borrows_whatever_the_gain_and_pd_only_never_borrows():
+    fleet, costly = _fleet(), ToggleCost(1e6)
+    ungated = _policy(borrow=Borrow.ALWAYS)
+    target, _ = ungated.decide(fleet, _signals(), replace(ungated.initial_memory(), toggle=costly))
+    assert _overlap_ids(fleet) <= target.members
+    pd_only = _policy(borrow=Borrow.NEVER)
+    target, _ = pd_only.decide(fleet, _signals(remaining=64), pd_only.initial_memory())
+    assert target.members == {0, 1}
+
+
+def test_slots_under_a_notice_leave_the_target_at_once():
+    noticed = _slot(2, active=True, available=False)
+    fleet = _fleet(extra=(noticed, _slot(3, active=True)))
+    target, _ = POLICY.decide(fleet, _signals(training=True, deadlines={2: 130.0}), POLICY.initial_memory())
+    assert 2 not in target.members and {0, 1, 3} <= target.members
+    assert "[2]" in target.reason
+    assert orchestrate(fleet, target).remove == {2}
+
+
+def test_granted_slots_join_as_one_all_or_nothing_group():
+    fleet = _fleet(extra=(_slot(2), _slot(3)))  # granted, not started yet
+    target, _ = POLICY.decide(fleet, _signals(training=True, event="grant"), POLICY.initial_memory())
+    assert target.members == {0, 1, 2, 3}
+    plan = orchestrate(fleet, target)
+    assert plan.add == {2, 3}
+    admits = [s for s in plan.steps if s.action.value == "admit"]
+    assert {s.group for s in admits} == {"expand"} and len(admits) == 2
+
+
+def test_a_split_that_lost_its_prefill_worker_switches_mode_at_once():
+    fleet = FleetSnapshot(3, (
+        _slot(0, role=Role.PREFILL, active=True, available=False),  # under a notice: the only prefill worker
+        _slot(1, role=Role.DECODE, active=True), _slot(2, role=Role.DECODE, active=True),
+        _slot(3, role=Role.DECODE, active=True)), tp=2)
+    target, _ = POLICY.decide(fleet, _signals(training=True, deadlines={0: 130.0}), POLICY.initial_memory())
+    assert target.members == {1, 2, 3}
+    assert target.mode is not None
+    assert "nothing running" in target.reason or "forced" in target.reason or "infeasible" in target.reason
+
+
+def test_an_infeasible_current_split_is_left_despite_the_switch_cost():
+    moe = load_scenario("paper-qwen3-30b-a3b-seg2")
+    policy = _policy(moe)
+    fleet = FleetSnapshot(3, (_slot(0, role=Role.PREFILL, active=True), _slot(1, role=Role.DECODE, active=True)), tp=2)
+    selection = select(policy.prior, 2, Config.split(1, 1))
+    assert not next(c for c in selection.candidates if c.config == Config.split(1, 1)).feasible
+    target, _ = policy.decide(fleet, _signals(training=True), policy.initial_memory())
+    assert target.mode is Mode.COLOCATED and "infeasible" in target.reason
+
+
+def test_forced_split_runs_the_best_split():
+    policy = _policy(forced_split=True)
+    fleet = _fleet(dedicated=6, overlap=0)
+    target, _ = policy.decide(fleet, _signals(event="rollout_begin", remaining=64), policy.initial_memory())
+    assert target.mode is Mode.SPLIT
+    ranked = select(policy.prior, 6, Config.colocated(6)).candidates
+    best = next(c.config for c in ranked if c.feasible and c.config.mode is Mode.SPLIT)
+    assert target.counts == {Role.PREFILL: best.n_prefill, Role.DECODE: best.n_decode}
+    assert "forced split" in target.reason
+
+
+def test_telemetry_refits_the_profile_and_times_the_step():
+    memory = POLICY.initial_memory()
+    fleet = _fleet(overlap=0)
+    _, memory = POLICY.decide(fleet, _signals(event="rollout_begin", rollout_step=0, remaining=64, now=0.0), memory)
+    assert memory.step == 0 and memory.step_config == "colocated/2"
+    _, after = POLICY.decide(fleet, _signals(event="rollout_end,rollout_begin", rollout_step=1, remaining=64,
+                                             now=400.0, telemetry=_telemetry(0)), memory)
+    assert after.fitted_step == 0 and after.profile.steps_observed == 1
+    assert after.profile.fit["makespan_s"] == 400.0 and after.profile.fit["config"] == "colocated"
+    assert after.step == 1 and after.step_began_s == 400.0
+    # the same telemetry seen again is not folded twice
+    _, again = POLICY.decide(fleet, _signals(rollout_step=1, now=410.0, telemetry=_telemetry(0)), after)
+    assert again.profile == after.profile
+
+
+def test_measured_costs_are_folded_once():
+    memory = POLICY.initial_memory()
+    signals = _signals(toggle_costs=(20.0,), toggle_cycles=1, step_durations={"flip_role": 16.0})
+    _, one = POLICY.decide(_fleet(), signals, memory)
+    _, two = POLICY.decide(_fleet(), signals, one)
+    assert one.toggle.measured == 1 and one.toggle.seconds > memory.toggle.seconds
+    assert one.costs.role_switch_s > memory.costs.role_switch_s
+    assert two.toggle == one.toggle and two.costs == one.costs
+
+
+def test_a_decision_is_a_pure_function_of_its_arguments():
+    fleet, signals = _fleet(), _signals(telemetry=_telemetry(0), rollout_step=1)
+    memory = POLICY.initial_memory()
+    first = POLICY.decide(fleet, signals, memory)
+    second = POLICY.decide(fleet, signals, memory)
+    assert first == second
+    assert memory == POLICY.initial_memory()
+
+
+def test_memory_round_trips_through_json():
+    memory = POLICY.initial_memory()
+    _, memory = POLICY.decide(_fleet(), _signals(rollout_step=0, now=0.0, remaining=64, toggle_costs=(14.0,),
+                                                 toggle_cycles=1, step_durations={"admit": 11.0}), memory)
+    _, memory = POLICY.decide(_fleet(), _signals(rollout_step=1, now=300.0, remaining=64,
+                                                 telemetry=_telemetry(0)), memory)
+    raw = json.loads(json.dumps(memory.to_dict()))
+    back = PearlMemory.from_dict(raw)
+    assert back == memory
+    signals = _signals(rollout_step=1, now=320.0)
+    assert POLICY.decide(_fleet(), signals, back) == POLICY.decide(_fleet(), signals, memory)
+
+
+@pytest.mark.parametrize(("mutate", "field"), [
+    (lambda r: r["toggle"].update(seconds="soon"), "toggle.seconds"),
+    (lambda r: r.update(step_began_s=float("nan")), "step_began_s"),
+    (lambda r: r["costs"].update(admit_s=-1.0), "admit_s"),
+    (lambda r: r.pop("profile"), "profile"),
+])
+def test_bad_memory_is_refused_naming_the_field(mutate, field):
+    raw = json.loads(json.dumps(POLICY.initial_memory().to_dict()))
+    mutate(raw)
+    with pytest.raises(BadInput, match=field):
+        PearlMemory.from_dict(raw)

@@ -1,0 +1,104 @@
+"""The oracle: free reconfiguration, every candidate per step, determinism, nothing lost, and the
+check that it bounds every other system (reported, never hidden)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from pearl.cli.app import app
+from pearl.controlplane.domain import Activity, Mode, Role, WorkerZone
+from pearl.controlplane.fleet import FleetSnapshot, WorkerSlot
+from pearl.policies.base import Signals
+from pearl.sim.experiments import Comparison, compare
+from pearl.sim.metrics import Result
+from pearl.sim.oracle import FREE, Choice, OraclePolicy, _Playable, candidates, run_oracle, search
+from pearl.sim.scenario import load_scenario
+from typer.testing import CliRunner
+
+pytestmark = pytest.mark.unit
+
+TINY = ["workload.batch_size=16", "duration_s=900"]
+SMALL = ["workload.batch_size=32", "duration_s=1500"]
+
+
+def _without_time(d: dict) -> dict:
+    return {k: v for k, v in d.items() if k != "wall_s"}
+
+
+def _slot(wid: int, zone=WorkerZone.DEDICATED) -> WorkerSlot:
+    return WorkerSlot(id=wid, node="n", gpus=(2 * wid, 2 * wid + 1), zone=zone,
+                      role=Role.TRAINING if zone is WorkerZone.OVERLAP else Role.COLOCATED,
+                      activity=Activity.INACTIVE)
+
+
+def _signals(training: bool) -> Signals:
+    return Signals(now=0.0, event="rollout_begin", rollout_step=0, batch_size=64, remaining=64, training=training,
+                   training_wanted=False)
+
+
+def test_the_oracle_policy_plays_its_choice_on_what_is_available():
+    fleet = FleetSnapshot(1, (_slot(0), _slot(1), _slot(2), _slot(3, WorkerZone.OVERLAP), _slot(4, WorkerZone.OVERLAP)))
+    policy = OraclePolicy()
+    target, memory = policy.decide(fleet, _signals(False), Choice(0, False))
+    assert target.members == {0, 1, 2} and target.mode is Mode.COLOCATED and memory == Choice(0, False)
+    target, _ = policy.decide(fleet, _signals(False), Choice(2, True))
+    assert target.members == {0, 1, 2, 3, 4} and target.counts == {Role.PREFILL: 2, Role.DECODE: 3}
+    target, _ = policy.decide(fleet, _signals(True), Choice(4, True))  # training: no overlap; N_P capped at N - 1
+    assert target.members == {0, 1, 2} and target.counts == {Role.PREFILL: 2, Role.DECODE: 1}
+
+
+def test_every_mode_ratio_and_borrowing_choice_is_a_candidate():
+    sim = _Playable(load_scenario("ablation-qwen3-8b-dedicated4", TINY))
+    sim.begin()
+    found = candidates(sim)
+    # 2 dedicated and 8 overlap workers: colocated x2, 1P without borrowing, 1..9P with borrowing
+    assert found == [Choice(0, False), Choice(0, True), Choice(1, False)] + [Choice(p, True) for p in range(1, 10)]
+    assert len(set(found)) == len(found)
+
+
+def test_reconfiguration_is_free_for_the_oracle_and_nothing_is_lost():
+    sim = search(load_scenario("paper-qwen3-8b-seg2", TINY))
+    r = sim.finish()
+    assert sim.executor.cost == FREE and sim.executor.weight_sync_s == 0.0
+    assert r.plans > 0 and all(d == 0.0 for d in sim.executor.durations.values())
+    assert sim.toggle_costs and set(sim.toggle_costs) == {0.0}
+    decoded, held = sim.token_balance()
+    assert decoded == held  # every partial trajectory kept through its interruptions
+    assert r.forced_releases == 0 and r.late_returns == 0
+    assert r.training_steps > 0 and r.policy == "oracle"
+
+
+def test_an_oracle_run_is_deterministic():
+    sc = load_scenario("paper-qwen3-8b-seg2", TINY)
+    assert _without_time(run_oracle(sc).as_dict()) == _without_time(run_oracle(sc).as_dict())
+
+
+def test_the_oracle_bounds_every_other_system_on_a_small_scenario():
+    comparison = compare(load_scenario("paper-qwen3-30b-a3b-seg2", SMALL))
+    systems = comparison.systems
+    assert comparison.checks() == {"oracle_upper_bound": {"ok": True, "violations": []}}
+    assert all(systems["oracle"].tokens_per_s >= r.tokens_per_s for r in systems.values())
+    assert systems["oracle"].mean_step_makespan_s <= systems["pearl"].mean_step_makespan_s
+    assert systems["pearl"].tokens_per_s > systems["rlboost-plus"].tokens_per_s > systems["roll"].tokens_per_s
+
+
+def _result(name: str, tokens_per_s: float) -> Result:
+    return Result(scenario="s", policy=name, tokens_per_s=tokens_per_s, rollout_steps=3, training_steps=3,
+                  gpu_seconds=1.0, reconfigurations=0, plans=0, late_returns=0, lateness_s=0.0, forced_releases=0,
+                  cancelled_groups=0, interrupted_requests=0, retracted_requests=0, mean_step_makespan_s=1.0,
+                  events=1, wall_s=0.0)
+
+
+def test_a_violated_bound_is_reported_in_the_json_and_in_red(monkeypatch):
+    systems = {n: _result(n, t) for n, t in (("roll", 1.0), ("rlboost-plus", 2.0), ("pearl", 5.0), ("oracle", 4.0))}
+    comparison = Comparison("s", systems, {"pearl-ungated": _result("pearl-ungated", 4.5)}, with_ablations=True)
+    check = comparison.as_dict()["checks"]["oracle_upper_bound"]
+    assert not check["ok"]
+    assert [v["system"] for v in check["violations"]] == ["pearl", "pearl-ungated"]
+    monkeypatch.setattr("pearl.sim.experiments.compare", lambda *a, **kw: comparison)
+    runner = CliRunner()
+    table = runner.invoke(app, ["sim", "compare", "--scenario", "paper-qwen3-8b-seg2", "--ablations"])
+    assert table.exit_code == 0 and "CHECK FAILED" in table.stdout and "pearl-ungated" in table.stdout
+    data = json.loads(runner.invoke(app, ["sim", "compare", "--scenario", "paper-qwen3-8b-seg2", "--json"]).stdout)
+    assert data["checks"]["oracle_upper_bound"]["ok"] is False
