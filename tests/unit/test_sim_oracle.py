@@ -102,3 +102,21 @@ def test_a_violated_bound_is_reported_in_the_json_and_in_red(monkeypatch):
     assert table.exit_code == 0 and "CHECK FAILED" in table.stdout and "pearl-ungated" in table.stdout
     data = json.loads(runner.invoke(app, ["sim", "compare", "--scenario", "paper-qwen3-8b-seg2", "--json"]).stdout)
     assert data["checks"]["oracle_upper_bound"]["ok"] is False
+
+
+def test_the_ceiling_bounds_the_oracle_and_times_a_lone_trajectory():
+    from pearl.controlplane.catalog import default_catalog
+    from pearl.controlplane.perfmodel import PerfModel
+    from pearl.sim.ceiling import ceiling, trajectory_floor_s
+    from pearl.sim.engine import EngineTiming
+    from pearl.sim.trajectories import Trajectory
+
+    timing = EngineTiming(PerfModel(default_catalog().model("qwen3-8b"), default_catalog().gpu("h800"), 2))
+    traj = Trajectory(0, 0, 0, 3000, [100, 50], [400], [2.5], False)
+    expected = (timing.prefill_iteration([(3000, 0)]) + timing.decode_time(1, 3000, 100) + 2.5
+                + timing.prefill_iteration([(400, 3100)]) + timing.decode_time(1, 3500, 50))
+    assert trajectory_floor_s(traj, timing) == pytest.approx(expected)
+    sc = load_scenario("paper-qwen3-8b-seg2", TINY)
+    bound = ceiling(sc)
+    assert bound.tokens_per_s >= run_oracle(sc).tokens_per_s
+    assert bound.training_steps == len(bound.floors_s) > 0 and min(bound.floors_s) > 0

@@ -1,0 +1,79 @@
+"""The paper's ablation: what PD adaptation and borrowing each bring, at 4, 8 and 16 dedicated GPUs.
+
+Prints one JSON object. Scenarios ablation-qwen3-8b-dedicated{4,8,16} (16 training GPUs, no
+preemptible GPUs), and with `--model qwen3-30b-a3b` the same with that model and the training and
+reconfiguration figures of its paper scenarios (`--set`).
+Per setting: tokens/s of the baseline (`rlboost-plus`, which equals `roll` without preemptible
+GPUs), `pearl-pd-only`, `pearl-ungated`, `pearl-forced-split` and `pearl`, all measured in the same
+run, and each one's gain over the baseline beside the paper's (method.md): at 4 rollout GPUs,
+forcing a split -20.6% (8B) / -30.9% (30B-A3B), borrowing +93.6% / +118.3%, borrowing with the gate
++92.3% / +129.5%; at 8-16 rollout GPUs, PD alone +7.8-15.3% and everything +9.2-27.5% (per model
+not given). Mean rollout-step makespans are reported too: the metric counts whole trained steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+from pearl.sim.experiments import run_system
+from pearl.sim.scenario import load_scenario
+
+GPUS = (4, 8, 16)
+SYSTEMS = ("rlboost-plus", "pearl-pd-only", "pearl-ungated", "pearl-forced-split", "pearl")
+MEANING = {
+    "pearl-forced-split": "forcing a split",
+    "pearl-ungated": "borrowing (no gate)",
+    "pearl": "borrowing with the gate (everything)",
+    "pearl-pd-only": "PD adaptation alone",
+}
+PAPER = {  # gain over the baseline, method.md
+    ("qwen3-8b", 4): {"pearl-forced-split": -0.206, "pearl-ungated": 0.936, "pearl": 0.923},
+    ("qwen3-30b-a3b", 4): {"pearl-forced-split": -0.309, "pearl-ungated": 1.183, "pearl": 1.295},
+}
+# the 30B-A3B paper scenarios' training and reconfiguration figures (sim/scenarios/paper-qwen3-30b-a3b-*)
+MOE_FIGURES = ["training.step_s=100", "training.weight_sync_s=5", "reconfig.cold_start_s=67", "reconfig.admit_s=18",
+               "reconfig.toggle_off_s=4.4"]
+PAPER_8_TO_16 = {"pearl-pd-only": (0.078, 0.153), "pearl": (0.092, 0.275)}
+
+
+def setting(model: str, gpus: int) -> dict:
+    overrides = [] if model == "qwen3-8b" else [f"model={model}", *MOE_FIGURES]
+    sc = load_scenario(f"ablation-qwen3-8b-dedicated{gpus}", overrides)
+    results = {name: run_system(sc, name) for name in SYSTEMS}
+    base = results["rlboost-plus"].tokens_per_s
+    rows = {}
+    for name, r in results.items():
+        row = {"tokens_per_s": round(r.tokens_per_s, 1), "training_steps": r.training_steps,
+               "mean_step_makespan_s": round(r.mean_step_makespan_s, 1), "wall_s": round(r.wall_s, 2)}
+        if name != "rlboost-plus":
+            row["gain_over_baseline"] = round(r.tokens_per_s / base - 1, 4)
+            row["makespan_gain_over_baseline"] = round(
+                results["rlboost-plus"].mean_step_makespan_s / r.mean_step_makespan_s - 1, 4)
+            row["meaning"] = MEANING[name]
+            paper = PAPER.get((model, gpus), {}).get(name)
+            if paper is None and gpus >= 8 and name in PAPER_8_TO_16:
+                paper = PAPER_8_TO_16[name]
+            row["paper_gain"] = paper
+        rows[name] = row
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", action="append", help="qwen3-8b (default) and/or qwen3-30b-a3b")
+    args = parser.parse_args()
+    t0 = time.perf_counter()
+    out: dict = {"baseline": "rlboost-plus (= roll: no preemptible GPUs in these settings)", "settings": {}}
+    for model in args.model or ["qwen3-8b"]:
+        for gpus in GPUS:
+            out["settings"][f"{model}-dedicated{gpus}"] = setting(model, gpus)
+    out["machine"] = {"cpus": os.cpu_count(), "load_1m": round(os.getloadavg()[0], 2)}
+    out["wall_s"] = round(time.perf_counter() - t0, 1)
+    print(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()
