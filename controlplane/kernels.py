@@ -14,9 +14,10 @@ F / (2 x layers) weights (the LM head spread over the layers), less the attentio
 3 x hidden (for a mixture of experts that is the width of the experts a token activates).
 
 Fit. For each batch n of DECODE_BATCHES up to `max_batch`: T(n, c0) and T(n, c1); b_ctx is the
-median over n of (T(n, c1) - T(n, c0)) / (n (c1 - c0)); base(n) = T(n, c0) - b_ctx n c0; batches
-past `max_batch` continue the last measured slope (marked `extrapolated`). Prefill: t_p0 =
-T_pre(T, 0) / T and t_pc = (T_pre(T, c1) / T - t_p0) / c1.
+median over n of (T(n, c1) - T(n, c0)) / (n (c1 - c0)); base(n) = T(n, c0) - b_ctx n c0, made
+non-decreasing in n (a running maximum: more sequences never make an iteration cheaper, so a dip is
+timing noise); batches past `max_batch` continue the last measured slope (marked `extrapolated`).
+Prefill: t_p0 = T_pre(T, 0) / T and t_pc = (T_pre(T, c1) / T - t_p0) / c1.
 
 KV figures: on a GPU in the catalog, the KV transfer (it crosses NICs, which one device cannot
 time) and the KV capacity come from the catalog performance model. On the CPU (the key's gpu is
@@ -30,6 +31,7 @@ CPUs are emulated on many of them).
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import statistics
@@ -201,7 +203,8 @@ def measure(model: ModelSpec, spec: MeasureSpec, perf: PerfModel | None = None,
     prefill = (timed(layer.prefill(spec.chunk_tokens, 0)), timed(layer.prefill(spec.chunk_tokens, c1)))
     layer.free()
     b_ctx = max(0.0, statistics.median((t1 - t0) / (n * (c1 - c0)) for n, (t0, t1) in decode.items()))
-    base = [max(1e-9, decode[n][0] - b_ctx * n * c0) for n in batches]
+    # an iteration never gets cheaper with more sequences: timing noise is cut by a running maximum
+    base = list(itertools.accumulate((max(1e-9, decode[n][0] - b_ctx * n * c0) for n in batches), max))
     slope = max(0.0, (base[-1] - base[-2]) / (batches[-1] - batches[-2]))
     extra = [n for n in DECODE_BATCHES if n > batches[-1]]
     base += [base[-1] + slope * (n - batches[-1]) for n in extra]

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -101,16 +102,21 @@ class PlanProgress:
 
 
 def json_safe(value: Any) -> Any:
-    """JSON that PostgreSQL accepts: enums as their values, non-finite floats as null."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
+    """JSON that PostgreSQL accepts: enums as their values, numpy numbers as Python's, non-finite
+    floats as null."""
+    if isinstance(value, bool) or value is None:
+        return value
+    if isinstance(value, str):
+        return str(value)  # a StrEnum as its value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value) if math.isfinite(value) else None
     if isinstance(value, Mapping):
         return {str(k): json_safe(v) for k, v in value.items()}
     if isinstance(value, list | tuple | set | frozenset):
         items = sorted(value) if isinstance(value, set | frozenset) else value
         return [json_safe(v) for v in items]
-    if value is None or isinstance(value, bool | int | str):
-        return value
     return str(value)
 
 

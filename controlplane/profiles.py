@@ -1,8 +1,8 @@
 """The profile store: performance profiles as rows of `profiles`, one row per fit, history kept.
 
 A profile is keyed by (model, gpu, tp, device) and says where its figures come from (`catalog`,
-`measured`, `fitted`). The current row of a key is its latest; older rows are its history, and a
-fitted row names the row it was refit from (`based_on`) and the telemetry it folded in.
+`measured`, `fitted`). The current row of a key is its latest (highest id); older rows are its
+history, and a fitted row names the row it was refit from (`based_on`) and the telemetry it folded in.
 
 What the fleet plans with (`load_profile`), for the inventory's (model, gpu, tp) on FLEET_DEVICE:
 1. the latest `fitted` row (refit from the fleet's telemetry, `telemetry_ingest`);
@@ -93,7 +93,9 @@ def fleet_key(inventory: Inventory) -> ProfileKey:
 def _of_key(key: ProfileKey) -> Any:
     same = (ProfileRow.model == key.model, ProfileRow.gpu == key.gpu, ProfileRow.tp == key.tp,
             ProfileRow.device == key.device)
-    return select(ProfileRow).where(*same).order_by(ProfileRow.created_at.desc(), ProfileRow.id.desc())
+    # newest = highest id: ids follow the order rows were written (refits write under one lock), while
+    # created_at is when the writing transaction began, which concurrent writers do not order
+    return select(ProfileRow).where(*same).order_by(ProfileRow.id.desc())
 
 
 def _latest(session: Session, key: ProfileKey, provenance: Provenance | None = None) -> ProfileRow | None:
