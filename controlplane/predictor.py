@@ -48,6 +48,7 @@ FIXED_POINT_ITERATIONS = 4  # f converges to <1% in 3-4 iterations on the paper 
 MAX_UTILISATION = 0.9  # M/D/1 waits are capped here; beyond, the round stretches (stall)
 PARTS = ("decode_s", "prefill_s", "kv_transfer_s", "queue_s", "overhead_s", "env_s")  # critical-path components
 LEAD_SHARE = 0.12  # the slowest share of the sample that carries the expected maximum ((0.88)^64 ~ 3e-4 left)
+SURVIVAL_POINTS = 128  # pass 2 reads alive(τ) from this many order statistics of pass 1 (B/128 resolution)
 TAIL_QUANTILE = 0.9  # `tail_s`: time from 90% of trajectories finished to the expected last
 
 
@@ -196,6 +197,8 @@ class Workbook:
     lead: _Rows  # the rows that can be among the slowest of B under any configuration
     lead_matrix: np.ndarray  # [G | CB | CB^2/2 | I] of the lead rows: pass 1 is one product with it
     lead_constant: dict[bool, np.ndarray]  # per split flag: what no configuration changes (prefill, env, ...)
+    rows_matrix: np.ndarray  # the same for all rows (the completion times pass 2 reads its load from)
+    rows_constant: dict[bool, np.ndarray]
     lead_weights: np.ndarray  # rank weights of the expected maximum for the lead rows (ranked last)
     weights: np.ndarray  # (K,) rank weights of the expected maximum of B draws
     longest_context: float  # the largest context any sampled turn reaches
@@ -264,18 +267,22 @@ def _workbook(profile: Profile, s: TrajectorySample, batch: bool) -> Workbook:
         lead.update(np.argpartition(t, k_n - top)[k_n - top :].tolist())
     lead_idx = np.array(sorted(lead))
     lr = rows.take(lead_idx)
-    fixed = lr.env_turn.sum(axis=1)  # T_over is in the per-turn `extra` cost
+    matrix = np.hstack([rows.gen, rows.miss_tokens, rows.miss_attention, rows.turn])
+    env = rows.env_turn.sum(axis=1)  # T_over is in the per-turn `extra` cost
+    constant = {
+        False: rows.pre_colocated.sum(axis=1) + env,
+        True: rows.pre_split.sum(axis=1) + rows.transfer.sum(axis=1) + env,
+    }
     i = np.arange(1, k_n + 1, dtype=float)
     weights = np.eye(1, k_n, k_n - 1)[0] if batch else (i / k_n) ** big_b - ((i - 1) / k_n) ** big_b
     return Workbook(
         profile=profile,
         rows=rows,
         lead=lr,
-        lead_matrix=np.hstack([lr.gen, lr.miss_tokens, lr.miss_attention, lr.turn]),
-        lead_constant={
-            False: lr.pre_colocated.sum(axis=1) + fixed,
-            True: lr.pre_split.sum(axis=1) + lr.transfer.sum(axis=1) + fixed,
-        },
+        lead_matrix=matrix[lead_idx],
+        lead_constant={split: c[lead_idx] for split, c in constant.items()},
+        rows_matrix=matrix,
+        rows_constant=constant,
         lead_weights=weights[k_n - len(lead_idx) :],
         weights=weights,
         longest_context=float((ctx_end + s.gen).max()),
@@ -412,12 +419,17 @@ def evaluate(
     components = {name: np.full(len(n1), np.nan) for name in PARTS}
     tail = np.full(len(n1), np.nan)
     if len(chosen):
-        sub = _Costs(*(x[:, chosen] for x in (costs.per_token, costs.miss, costs.extra, costs.f)), {})
-        total, parts = _refine(wb, split, n1[chosen], n2[chosen], f[:, chosen], _parts(wb, wb.rows, split, sub))
+        pass1 = wb.rows_matrix @ coefficients[:, chosen] + wb.rows_constant[split][:, None]
+        total, top, parts = _refine(wb, split, n1[chosen], n2[chosen], f[:, chosen], pass1)
         order = np.argsort(total, axis=0, kind="stable")
         makespan[chosen] = wb.weights @ np.take_along_axis(total, order, axis=0)
+        # the critical path's components: the slowest rows carry all but ~(1 - LEAD_SHARE)^B of the weight
+        rank = np.empty_like(order)
+        np.put_along_axis(rank, order, np.arange(len(total))[:, None], axis=0)
+        w_top = wb.weights[np.take_along_axis(rank, top, axis=0)]
+        w_top = w_top / np.maximum(w_top.sum(axis=0), 1e-300)
         for name, m in parts.items():
-            components[name][chosen] = wb.weights @ np.take_along_axis(m, order, axis=0)
+            components[name][chosen] = (m * w_top).sum(axis=0)
         tail[chosen] = makespan[chosen] - np.quantile(total, TAIL_QUANTILE, axis=0)
     weight = wb.rows.turn.sum(axis=0) / wb.rows.turn.sum()
     diagnostics = {
@@ -440,24 +452,6 @@ def evaluate(
     )
 
 
-def _parts(wb: Workbook, rows: _Rows, split: bool, costs: _Costs) -> dict[str, np.ndarray]:
-    """Pass 1: per-trajectory components (rows x configurations) under the round costs."""
-    p, e = wb.profile, wb.profile.engine
-    c_n = costs.per_token.shape[1]
-    pre = rows.pre_split if split else rows.pre_colocated
-    transfer = rows.transfer.sum(axis=1) if split else np.zeros(len(rows.gen))
-    return {
-        "decode_s": rows.gen @ costs.per_token,
-        "prefill_s": pre.sum(axis=1)[:, None]
-        + rows.miss_tokens @ (costs.miss * e.prefill_s_per_token)
-        + rows.miss_attention @ (costs.miss * e.prefill_s_per_token_per_ctx),
-        "kv_transfer_s": np.repeat(transfer[:, None], c_n, axis=1),
-        "queue_s": rows.turn @ (costs.extra - p.t_over_s),
-        "overhead_s": np.repeat(rows.turn.sum(axis=1)[:, None] * p.t_over_s, c_n, axis=1),
-        "env_s": np.repeat(rows.env_turn.sum(axis=1)[:, None], c_n, axis=1),
-    }
-
-
 def _elapsed(wb: Workbook, split: bool, st: dict, costs: _Costs, remaining_fraction: float) -> np.ndarray:
     """Time by which all but `remaining_fraction` of the trajectories are done: the rounds it takes
     for the alive share to fall to it, at each round's mean duration (0 at the start)."""
@@ -477,49 +471,57 @@ def _elapsed(wb: Workbook, split: bool, st: dict, costs: _Costs, remaining_fract
 
 
 def _refine(
-    wb: Workbook, split: bool, n1: np.ndarray, n2: np.ndarray, f: np.ndarray, parts: dict[str, np.ndarray]
-) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    wb: Workbook,
+    split: bool,
+    n1: np.ndarray,
+    n2: np.ndarray,
+    f: np.ndarray,
+    pass1: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
     """Pass 2 (see `evaluate`): re-time the slowest trajectories with the load at their own time.
 
-    Returns the per-trajectory totals and components (K x C) with the slowest rows replaced."""
+    Returns the completion times of all rows (K x C, the slowest re-timed), the indices of the
+    re-timed rows (top x C) and their components (top x C each)."""
     p, e, w = wb.profile, wb.profile.engine, wb.rows
-    total = sum(parts.values())
-    k_n, c_n = total.shape
-    top = min(k_n, max(1, int(np.ceil(LEAD_SHARE * k_n))))
-    rows = np.argpartition(total, k_n - top, axis=0)[k_n - top :]  # (top, C)
-    # pass 1's completion times, one sorted column per configuration, searched in one call
-    ordered = np.sort(total, axis=0)
-    offsets = np.arange(c_n) * (float(ordered.max()) + 1.0)
-    flat = (ordered + offsets[None, :]).T.ravel()
+    k_n, c_n = pass1.shape
+    top_n = min(k_n, max(1, int(np.ceil(LEAD_SHARE * k_n))))
+    top = np.argsort(pass1, axis=0, kind="stable")[k_n - top_n :]  # (top, C); ties: the later rows, as ranked below
+    # alive(τ) from pass 1's completion times, SURVIVAL_POINTS order statistics per configuration,
+    # all configurations searched in one call (offset so the columns sort one after another)
+    ordered = np.sort(pass1, axis=0)
+    grid = ordered[np.linspace(0, k_n - 1, SURVIVAL_POINTS).round().astype(int)]
+    offsets = np.arange(c_n) * (float(ordered[-1].max()) + 1.0)
+    flat = (grid + offsets[None, :]).T.ravel()
+    base = np.arange(c_n) * SURVIVAL_POINTS
     pre = w.pre_split if split else w.pre_colocated
-    tau = np.zeros((top, c_n))
-    acc = {name: np.zeros((top, c_n)) for name in parts if name != "env_s"}
+    tau = np.zeros((top_n, c_n))
+    acc = {name: np.zeros((top_n, c_n)) for name in PARTS if name != "env_s"}
     for k in range(w.gen.shape[1]):
-        live = w.turn[rows, k]
+        live = w.turn[top, k]
         if not live.any():
             break
-        done = np.searchsorted(flat, (tau + offsets[None, :]).ravel(), side="right").reshape(top, c_n)
-        alive = np.maximum(p.batch_size * (1 - (done - np.arange(c_n) * k_n) / k_n), 1.0)
+        done = np.searchsorted(flat, (tau + offsets[None, :]).ravel(), side="right").reshape(top_n, c_n) - base
+        alive = np.maximum(p.batch_size * (1 - done / SURVIVAL_POINTS), 1.0)
         st = {name: v[k] for name, v in wb.stats.items()}
         c = _round_costs(wb, split, st, alive, n1[None, :], n2[None, :], f[k][None, :])
         pieces = {
-            "decode_s": w.gen[rows, k] * c.per_token,
-            "prefill_s": pre[rows, k]
-            + c.miss * (w.miss_tokens[rows, k] * e.prefill_s_per_token)
-            + c.miss * (w.miss_attention[rows, k] * e.prefill_s_per_token_per_ctx),
-            "kv_transfer_s": w.transfer[rows, k] if split else np.zeros_like(tau),
+            "decode_s": w.gen[top, k] * c.per_token,
+            "prefill_s": pre[top, k]
+            + c.miss
+            * (
+                w.miss_tokens[top, k] * e.prefill_s_per_token + w.miss_attention[top, k] * e.prefill_s_per_token_per_ctx
+            ),
+            "kv_transfer_s": w.transfer[top, k] if split else np.zeros_like(tau),
             "queue_s": c.extra - p.t_over_s,
             "overhead_s": np.full_like(tau, p.t_over_s),
         }
         for name, v in pieces.items():
             acc[name] += v * live
-        tau += sum(pieces.values()) * live + w.env_turn[rows, k]
-    refined = {}
-    for name, m in parts.items():
-        refined[name] = np.array(m, copy=True)
-        if name in acc:
-            np.put_along_axis(refined[name], rows, acc[name], axis=0)
-    return sum(refined.values()), refined
+        tau += sum(pieces.values()) * live + w.env_turn[top, k]
+    total = pass1.copy()
+    np.put_along_axis(total, top, tau, axis=0)
+    acc["env_s"] = w.env_turn.sum(axis=1)[top]
+    return total, top, acc
 
 
 def _feasibility(

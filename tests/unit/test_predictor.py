@@ -119,7 +119,8 @@ def test_paper_scenario_takes_minutes(prior):
     assert 120 < pred.makespan_s < 900
     assert pred.components["decode_s"] > 60  # ~17 turns of ~1k tokens at ~5-10 ms a token
     assert pred.components["env_s"] > prior.T_env  # the slowest trajectory waits on the environment more
-    assert sum(pred.components.values()) == pytest.approx(pred.makespan_s, rel=1e-9)
+    # the components follow the slowest rows, which carry all but ~(0.88)^64 of the weight
+    assert sum(pred.components.values()) == pytest.approx(pred.makespan_s, rel=1e-3)
     assert 0 < pred.diagnostics["tail_s"] < pred.makespan_s
 
 
