@@ -39,7 +39,7 @@ def test_upgrade_downgrade_upgrade_round_trips(empty_database_url: str) -> None:
     cfg = alembic_config(empty_database_url)
     command.upgrade(cfg, "head")
     at_head = _objects(engine)
-    assert current_revision(engine) == head_revision() == "0001_initial"
+    assert current_revision(engine) == head_revision() is not None
     assert {"gpus", "workers", "events", "plan_steps", "fleet"} <= set(at_head["tables"])
     assert {"gpus_guard", "workers_hold_their_gpus", "events_append_only"} <= set(at_head["triggers"])
     command.downgrade(cfg, "base")
@@ -66,10 +66,10 @@ def test_concurrent_inits_apply_the_migration_once(empty_database_url: str, pear
         p.stderr.close()
     # a second application would fail on "relation already exists"; all three succeed at head
     assert [rc for rc, _, _ in results] == [0, 0, 0], [e for _, _, e in results]
-    assert [out["revision"] for _, out, _ in results] == ["0001_initial"] * 3
+    assert [out["revision"] for _, out, _ in results] == [head_revision()] * 3
     engine = make_engine(empty_database_url, poolclass=NullPool)
     with engine.connect() as conn:
-        assert conn.execute(text("SELECT version_num FROM alembic_version")).scalars().all() == ["0001_initial"]
+        assert conn.execute(text("SELECT version_num FROM alembic_version")).scalars().all() == [head_revision()]
         assert conn.execute(text("SELECT count(*) FROM fleet")).scalar() == 1
     engine.dispose()
 
