@@ -10,10 +10,15 @@ Each call:
    under a notice leaves the target at once and is drained before the notice runs out, partial
    trajectories kept) plus, when borrowable, the overlap slots (none while an optimizer step runs
    or the trainer wants its GPUs back: the return is mandatory);
-3. gates borrowing (method.md): with T_ded and T_full the best predicted remaining makespans on the
+3. gates borrowing (method.md): with T_ded and T_full the predicted makespans of a step on the
    dedicated slots alone and with the overlap slots added, borrow iff (R/B)(T_ded - T_full) >
-   T_toggle. Once borrowed, the activation is paid and the return is due whatever happens, so the
-   overlap slots stay while they still shorten the step (gain > 0);
+   T_toggle: R/B scales the whole-step difference to the work left, as the method writes it.
+   Each is the makespan of the configuration the selector would run on that budget (its choice
+   after hysteresis, not a best it would not switch to). The predictor's remaining-time estimates
+   are not used here: mid-step they can rank a superset of the workers slower than the subset
+   (the remaining time is measured from the moment each configuration reaches R/B, not from now).
+   Once borrowed, the activation is paid and the return is due whatever happens, so the overlap
+   slots stay while they still shorten the step (gain > 0);
 4. lets the selector pick the configuration for that budget against the current one, with its
    hysteresis (`selector.select`); forced switches (the current shape became infeasible, or
    nothing runs) are never blocked there;
@@ -40,7 +45,7 @@ from pearl.controlplane.domain import Activity, Mode
 from pearl.controlplane.errors import BadInput
 from pearl.controlplane.fleet import FleetSnapshot, Target
 from pearl.controlplane.perfmodel import PerfModel
-from pearl.controlplane.predictor import Config
+from pearl.controlplane.predictor import Config, predict
 from pearl.controlplane.profile import Profile, profile_from_dict, profile_from_workload, profile_to_dict
 from pearl.controlplane.selector import Candidate, Selection, current_config, select
 from pearl.controlplane.tracker import fit_profile
@@ -138,6 +143,31 @@ class _MemoryFields(_Strict):
 
 
 @dataclass(frozen=True)
+class Option:
+    """What the policy would run on one budget of workers."""
+
+    workers: int
+    selection: Selection  # the selector's ranking and hysteresis numbers for this budget
+    config: Config | None  # what would run (after hysteresis; the best split when forced); None: nothing feasible
+    predicted_s: float  # its predicted remaining makespan of the step under way
+    step_s: float  # its predicted makespan of a whole step: the gate's T_ded or T_full
+    reason: str
+
+
+@dataclass(frozen=True)
+class Assessment:
+    """The budgets and the borrowing verdict behind one decision."""
+
+    dedicated: tuple[int, ...]  # dedicated slots available now
+    overlap: tuple[int, ...]  # overlap slots borrowable now (none while training runs or wants them)
+    on_dedicated: Option | None
+    with_overlap: Option | None  # None when nothing is borrowable
+    gate: GateDecision | None  # the gate's numbers, when it was consulted
+    borrow: bool
+    verdict: str  # why (or why not) the overlap slots are held
+
+
+@dataclass(frozen=True)
 class PearlPolicy:
     """The `pearl` system's policy and its ablations (module docstring)."""
 
@@ -175,54 +205,78 @@ class PearlPolicy:
 
     def decide(self, snapshot: FleetSnapshot, signals: Signals, memory: PearlMemory) -> tuple[Target, PearlMemory]:
         memory = _observe(memory, signals)
-        dedicated = [w.id for w in dedicated_capacity(snapshot)]
-        overlap = [w.id for w in borrowable(snapshot, signals)] if self.borrow is not Borrow.NEVER else []
+        a = self.assess(snapshot, signals, memory)
         notes = []
         if signals.deadlines:
             notes.append(f"releasing {sorted(signals.deadlines)} before their notice runs out")
-        if self.borrow is not Borrow.NEVER and not overlap and (signals.training or signals.training_wanted):
+        if self.borrow is not Borrow.NEVER and not a.overlap and (signals.training or signals.training_wanted):
             notes.append("training runs or wants its GPUs: no overlap slot")
-        if not dedicated and not overlap:
-            return colocated([], "; ".join(["no rollout slot available", *notes])), memory
+        if a.verdict:
+            notes.append(a.verdict)
+        option = a.with_overlap if a.borrow else a.on_dedicated
+        members = [*a.dedicated, *(a.overlap if a.borrow else ())]
+        if option is None or not members:
+            target = colocated([], "; ".join(["no rollout slot available", *notes]))
+        elif option.config is None:
+            target = colocated(members, "; ".join([f"{option.reason}: colocated", *notes]))
+        elif option.config.mode is Mode.COLOCATED:
+            target = colocated(members, "; ".join([option.reason, *notes]))
+        else:
+            target = split(members, option.config.n_prefill, "; ".join([option.reason, *notes]))
+        return target, _record(memory, signals, option.config if option is not None else None)
+
+    def assess(self, snapshot: FleetSnapshot, signals: Signals, memory: PearlMemory) -> Assessment:
+        """The budgets, what the selector would run on each, and the gate's verdict (module docstring,
+        2-4); `decide` turns it into a target, `pearlctl plan --explain` can show it."""
+        dedicated = tuple(w.id for w in dedicated_capacity(snapshot))
+        overlap = tuple(w.id for w in borrowable(snapshot, signals)) if self.borrow is not Borrow.NEVER else ()
         # The shape of the workers that stay: those leaving (notices, mandatory return) do not count.
         current = current_config(FleetSnapshot(snapshot.state_version, tuple(
             w for w in snapshot.workers if w.available or w.activity is Activity.INACTIVE), snapshot.tp))
         rf = signals.remaining_fraction if signals.remaining > 0 else 1.0  # no step under way: the next, whole
 
-        def choose(n: int) -> tuple[Config | None, float, str]:
-            return self._pick(select(memory.profile, n, current, costs=memory.costs, remaining_fraction=rf),
-                              memory.costs)
+        def option(n: int) -> Option | None:
+            if n <= 0:
+                return None
+            sel = select(memory.profile, n, current, costs=memory.costs, remaining_fraction=rf)
+            config, predicted_s, reason = self._pick(sel, memory.costs)
+            if config is None or not math.isfinite(predicted_s):
+                step_s = math.inf
+            elif rf >= 1:
+                step_s = predicted_s
+            else:
+                step_s = predict(memory.profile, config).makespan_s
+            return Option(n, sel, config, predicted_s, step_s, reason)
 
-        ded = choose(len(dedicated)) if dedicated else None
-        chosen, _, reason = ded if ded is not None else (None, math.inf, "")
-        members = dedicated
-        if overlap:
-            full = choose(len(dedicated) + len(overlap))
-            borrowing, verdict = self._borrow(snapshot, overlap, rf, memory.toggle, full[1],
-                                              ded[1] if ded is not None else math.inf)
-            notes.append(verdict)
-            if borrowing:
-                chosen, _, reason = full
-                members = dedicated + overlap
-        if not members:
-            target = colocated([], "; ".join(["no dedicated slot and no borrowing", *notes]))
-        elif chosen is None:
-            target = colocated(members, "; ".join([f"{reason}: colocated", *notes]))
-        elif chosen.mode is Mode.COLOCATED:
-            target = colocated(members, "; ".join([reason, *notes]))
-        else:
-            target = split(members, chosen.n_prefill, "; ".join([reason, *notes]))
-        return target, _record(memory, signals, chosen)
+        on_dedicated = option(len(dedicated))
+        if not overlap:
+            return Assessment(dedicated, overlap, on_dedicated, None, None, False, "")
+        with_overlap = option(len(dedicated) + len(overlap))
+        if self.borrow is Borrow.ALWAYS:
+            return Assessment(dedicated, overlap, on_dedicated, with_overlap, None, True,
+                              f"borrowing {len(overlap)} overlap workers (ungated)")
+        t_ded = on_dedicated.step_s if on_dedicated is not None else math.inf
+        t_full = with_overlap.step_s if with_overlap is not None and math.isfinite(with_overlap.step_s) else t_ded
+        g = gate(rf, t_ded, t_full, memory.toggle)
+        ids = set(overlap)
+        holding = any(w.id in ids and w.activity is not Activity.INACTIVE for w in snapshot.workers)
+        if g.borrow:
+            return Assessment(dedicated, overlap, on_dedicated, with_overlap, g, True, "gate: " + g.reason)
+        if holding and g.gain_s > 0:
+            verdict = f"gate: keep the borrowed workers, they still save {g.gain_s:.1f} s (activation paid)"
+            return Assessment(dedicated, overlap, on_dedicated, with_overlap, g, True, verdict)
+        return Assessment(dedicated, overlap, on_dedicated, with_overlap, g, False, "gate: " + g.reason)
 
     def _pick(self, sel: Selection, costs: SwitchCosts) -> tuple[Config | None, float, str]:
-        """The configuration to run, the best predicted remaining makespan the budget allows (what
-        the gate compares; inf when nothing is feasible), and why."""
+        """The configuration to run, its predicted remaining makespan (what the gate compares: the
+        configuration that would actually run on that budget, hysteresis included; inf when nothing
+        is feasible), and why."""
         if not self.forced_split:
-            best = _predicted(sel, sel.best) if sel.best is not None else math.inf
-            return sel.chosen, best, sel.reason
+            t = _predicted(sel, sel.chosen) if sel.chosen is not None else math.inf
+            return sel.chosen, t, sel.reason
         splits = [c for c in sel.candidates if c.feasible and c.config.mode is Mode.SPLIT]
         if not splits:
-            t = _predicted(sel, sel.best) if sel.best is not None else math.inf
+            t = _predicted(sel, sel.chosen) if sel.chosen is not None else math.inf
             return sel.chosen, t, f"forced split: no feasible split ({sel.reason})"
         best = splits[0]
         reference = _split_continuation(sel.current, best.config.workers)
@@ -231,21 +285,7 @@ class PearlPolicy:
             return best.config, best.predicted_s, f"forced split: {best.config} is the best split"
         d = decide_switch(ref.config, ref.predicted_s, best.config, best.predicted_s, costs)
         kept = best if d.switch else ref
-        return kept.config, best.predicted_s, f"forced split: {d.reason}"
-
-    def _borrow(self, snapshot: FleetSnapshot, overlap: list[int], rf: float, toggle: ToggleCost, t_full: float,
-                t_ded: float) -> tuple[bool, str]:
-        """Whether to hold the borrowable overlap slots now, and why."""
-        if self.borrow is Borrow.ALWAYS:
-            return True, f"borrowing {len(overlap)} overlap workers (ungated)"
-        g: GateDecision = gate(rf, t_ded, t_full if math.isfinite(t_full) else t_ded, toggle)
-        ids = set(overlap)
-        holding = any(w.id in ids and w.activity is not Activity.INACTIVE for w in snapshot.workers)
-        if g.borrow:
-            return True, "gate: " + g.reason
-        if holding and g.gain_s > 0:
-            return True, f"gate: keep the borrowed workers, they still save {g.gain_s:.1f} s (activation paid)"
-        return False, "gate: " + g.reason
+        return kept.config, kept.predicted_s, f"forced split: {d.reason}"
 
 
 def _predicted(sel: Selection, config: Config) -> float:

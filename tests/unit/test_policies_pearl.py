@@ -13,7 +13,7 @@ from pearl.controlplane.errors import BadInput
 from pearl.controlplane.fleet import FleetSnapshot, WorkerSlot
 from pearl.controlplane.orchestrator import orchestrate
 from pearl.controlplane.perfmodel import PerfModel
-from pearl.controlplane.predictor import Config
+from pearl.controlplane.predictor import Config, predict
 from pearl.controlplane.selector import select
 from pearl.controlplane.telemetry import StepTelemetry
 from pearl.policies.base import Signals
@@ -77,16 +77,21 @@ def test_borrows_when_the_gate_says_so_and_not_otherwise():
     assert target.members == {0, 1}
 
 
-def test_the_gate_uses_the_predicted_makespans_of_both_budgets():
+def test_the_gate_scales_the_whole_step_gain_by_the_work_left():
     fleet, signals = _fleet(), _signals(remaining=32)
     profile = POLICY.prior
-    t_ded = select(profile, 2, Config.colocated(2), remaining_fraction=0.5).candidates[0].predicted_s
-    t_full = select(profile, 10, Config.colocated(2), remaining_fraction=0.5).candidates[0].predicted_s
+    # what the selector would run on each budget; the gate compares their whole-step makespans
+    t_ded = predict(profile, select(profile, 2, Config.colocated(2), remaining_fraction=0.5).chosen).makespan_s
+    t_full = predict(profile, select(profile, 10, Config.colocated(2), remaining_fraction=0.5).chosen).makespan_s
     gain = 0.5 * (t_ded - t_full)
+    assert gain > 0
     just_below = replace(POLICY.initial_memory(), toggle=ToggleCost(gain * 0.99))
     just_above = replace(POLICY.initial_memory(), toggle=ToggleCost(gain * 1.01))
     assert _overlap_ids(fleet) <= POLICY.decide(fleet, signals, just_below)[0].members
     assert not _overlap_ids(fleet) & POLICY.decide(fleet, signals, just_above)[0].members
+    a = POLICY.assess(fleet, signals, just_below)
+    assert a.gate.gain_s == pytest.approx(gain) and a.borrow
+    assert a.on_dedicated.workers == 2 and a.with_overlap.workers == 10
 
 
 @pytest.mark.parametrize("borrow", list(Borrow))
