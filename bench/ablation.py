@@ -9,6 +9,8 @@ run, and each one's gain over the baseline beside the paper's (method.md): at 4 
 forcing a split -20.6% (8B) / -30.9% (30B-A3B), borrowing +93.6% / +118.3%, borrowing with the gate
 +92.3% / +129.5%; at 8-16 rollout GPUs, PD alone +7.8-15.3% and everything +9.2-27.5% (per model
 not given). Mean rollout-step makespans are reported too: the metric counts whole trained steps.
+`vs_pearl` sets each ablation against the whole policy: the forced split borrows too, so its cost
+is clearest there.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ def setting(model: str, gpus: int) -> dict:
             row["makespan_gain_over_baseline"] = round(
                 results["rlboost-plus"].mean_step_makespan_s / r.mean_step_makespan_s - 1, 4)
             row["meaning"] = MEANING[name]
+            row["vs_pearl"] = round(r.tokens_per_s / results["pearl"].tokens_per_s - 1, 4)
             paper = PAPER.get((model, gpus), {}).get(name)
             if paper is None and gpus >= 8 and name in PAPER_8_TO_16:
                 paper = PAPER_8_TO_16[name]

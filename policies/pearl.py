@@ -275,17 +275,21 @@ class PearlPolicy:
             t = _predicted(sel, sel.chosen) if sel.chosen is not None else math.inf
             return sel.chosen, t, sel.reason
         splits = [c for c in sel.candidates if c.feasible and c.config.mode is Mode.SPLIT]
+        note = ""
+        if not splits:  # always split: the fastest predicted split even if the predictor deems none feasible
+            splits = sorted((c for c in sel.candidates if c.config.mode is Mode.SPLIT), key=lambda c: c.predicted_s)
+            note = " (no split is feasible by the predictor)"
         if not splits:
             t = _predicted(sel, sel.chosen) if sel.chosen is not None else math.inf
-            return sel.chosen, t, f"forced split: no feasible split ({sel.reason})"
+            return sel.chosen, t, f"forced split: one worker cannot split ({sel.reason})"
         best = splits[0]
         reference = _split_continuation(sel.current, best.config.workers)
         ref = next((c for c in splits if c.config == reference), None)
         if ref is None or ref.config == best.config:
-            return best.config, best.predicted_s, f"forced split: {best.config} is the best split"
+            return best.config, best.predicted_s, f"forced split: {best.config} is the best split{note}"
         d = decide_switch(ref.config, ref.predicted_s, best.config, best.predicted_s, costs)
         kept = best if d.switch else ref
-        return kept.config, kept.predicted_s, f"forced split: {d.reason}"
+        return kept.config, kept.predicted_s, f"forced split: {d.reason}{note}"
 
 
 def _predicted(sel: Selection, config: Config) -> float:
