@@ -353,7 +353,10 @@ class Engine:
         self.prefill_tokens += tokens
         self.prefill_s += now - self.t0
         if self.sink is not None:
-            self.sink.append((self.worker, self.role, self.batch, 0.0, tokens, now - self.t0))
+            # the running decodes paused for this iteration: it decoded nothing (batch 0); its context
+            # is what the new tokens attend to before them, token-weighted (t_p is linear in it)
+            before = sum(n * req.prefilled for req, n in self.plan) / tokens
+            self.sink.append((self.worker, self.role, 0, before, tokens, now - self.t0))
         for req, n in self.plan:
             req.prefilled += n
             if req.prefilled < req.context:
