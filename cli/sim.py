@@ -131,3 +131,55 @@ def compare(scenario: ScenarioOpt, set_: SetOpt = None, json_: JsonOpt = False, 
                   f"is below {beaten}[/]")
     if plot is not None:
         err.print(f"wrote {plot}")
+
+
+@sim_app.command("ratio")
+@handle_errors
+def ratio(
+    scenario: ScenarioOpt,
+    set_: SetOpt = None,
+    json_: JsonOpt = False,
+    overlap: Annotated[bool, typer.Option("--overlap", help="Add every training GPU to the budget.")] = False,
+    steps: Annotated[int | None, typer.Option(
+        "--steps", help="Rollout steps measured per candidate after the warm-up (default: as many as the "
+                        "profiling run finishes within duration_s).")] = None,
+    profile_workers: Annotated[int | None, typer.Option(
+        "--profile-workers",
+        help="Workers of the colocated profiling run (default: one fewer than the budget).")] = None,
+    jobs: Annotated[int, typer.Option("--jobs", help="Processes simulating the candidates (0: one per CPU).")] = 0,
+) -> None:
+    """The paper's Table 2: the PD configuration the predictor selects for a fixed budget, beside every
+    candidate's simulated makespan."""
+    from pearl.sim.ratio import budget_workers
+    from pearl.sim.ratio import ratio as ratio_table
+    from pearl.sim.scenario import load_scenario
+
+    sc = load_scenario(scenario, set_ or [])
+    progress = Progress(TextColumn("{task.description:>18}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                        TimeElapsedColumn(), console=err, disable=not err.is_terminal, transient=True)
+    with progress:
+        task = progress.add_task("candidates", total=max(1, budget_workers(sc, overlap)))
+        result = ratio_table(sc, overlap, steps=steps, profile_workers=profile_workers, jobs=jobs,
+                             progress=lambda label: progress.advance(task))
+    data = result.as_dict()
+    if json_:
+        emit_json(data)
+        return
+    table = Table(title=f"{sc.name}: {data['budget_gpus']} GPUs{' with overlap' if overlap else ''}, "
+                        f"{data['budget_workers']} workers of tp={sc.tp}")
+    for col in ("config", "predicted s", "paper s", "simulated s", "error", "note"):
+        table.add_column(col, justify="left" if col in ("config", "note") else "right")
+    for c in data["candidates"]:
+        marks = [m for m, on in (("◀ selected", c["config"] == data["selected"]),
+                                 ("★ best", c["config"] == data["empirical_best"])) if on]
+        if not c["feasible"]:
+            marks.append(c["reason"])
+        error = c["predicted_s"] / c["simulated_s"] - 1
+        table.add_row(c["config"], f"{c['predicted_s']:.1f}", f"{c['paper_s']:.1f}", f"{c['simulated_s']:.1f}",
+                      f"{error:+.1%}", "  ".join(marks))
+    _show(table)
+    gap = f"{data['gap']:.2%}" if data["gap"] is not None else "-"
+    out.print(f"selected {data['selected']}, empirical best {data['empirical_best']}, gap {gap}; "
+              f"MAPE {data['mape']:.1%} (the paper's formulas {data['paper_mape']:.1%}, selecting "
+              f"{data['paper_selected']}); profile: {data['profile_config']} over {data['profile_steps']} steps; "
+              f"{data['measured_steps']} steps measured per candidate after {data['warmup_steps']} warm-up")

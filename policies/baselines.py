@@ -11,9 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pearl.controlplane.errors import BadInput
 from pearl.controlplane.fleet import FleetSnapshot, Target
 
-from .base import NoMemory, Signals, colocated
+from .base import NoMemory, Signals, colocated, split
 from .elasticity import dedicated_capacity
 
 
@@ -51,3 +52,26 @@ class ElasticColocated:
         if leaving:
             reason += f"; releasing {leaving} before their notice runs out"
         return colocated(members, reason), memory
+
+
+@dataclass(frozen=True)
+class StaticSplit:
+    """Every dedicated GPU of the cluster split into `n_prefill` prefill workers and the rest decode,
+    never changed: the split candidates of `sim ratio`, measured as static configurations."""
+
+    n_prefill: int
+    name: str = "static-split"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.n_prefill, int) or self.n_prefill < 1:
+            raise BadInput(f"n_prefill: must be an integer >= 1, got {self.n_prefill!r}")
+
+    def initial_memory(self) -> NoMemory:
+        return NoMemory()
+
+    def decide(self, snapshot: FleetSnapshot, signals: Signals, memory: NoMemory) -> tuple[Target, NoMemory]:
+        members = [w.id for w in dedicated_capacity(snapshot)]
+        if len(members) <= self.n_prefill:
+            raise BadInput(f"n_prefill: {self.n_prefill} prefill workers leave no decode worker of {len(members)}")
+        n_decode = len(members) - self.n_prefill
+        return split(members, self.n_prefill, f"static: {self.n_prefill}P{n_decode}D"), memory
