@@ -14,9 +14,10 @@ it first. It never reads other systems' results.
 - Candidates (every mode and ratio, no pruning by a model): colocated, and every N_P from 1 to
   N - 1, where N is the dedicated workers at the step's beginning, plus the overlap workers for
   the borrowing variants. During the step the split keeps its N_P prefill workers and the decode
-  pool absorbs budget changes (N_P is capped at N - 1). Candidates are tried colocated first, then
-  by N_P; each copy stops as soon as it runs past the best end found so far (it cannot win), which
-  is what keeps the search within the time budget.
+  pool absorbs budget changes (N_P is capped at N - 1). Candidates are tried in the order that
+  usually wins (colocated with borrowing first, then without, then the splits by N_P); each copy
+  stops as soon as it runs past the best end found so far (it cannot win), which is what keeps the
+  search within the time budget. Ties go to the earlier candidate.
 
 Greedy per step (the best end of each step in turn, not the best schedule of the whole run): the
 result is an upper bound in practice, which `sim compare` checks (`checks.oracle_upper_bound`).
@@ -102,8 +103,8 @@ def candidates(sim: Simulation) -> list[Choice]:
     snapshot = sim.cluster.snapshot(sim.version, True)
     dedicated = len(dedicated_capacity(snapshot))
     overlap = len(sim.cluster.overlap)
-    out = [Choice(0, False)] + ([Choice(0, True)] if overlap else [])
-    for borrow in (False, True) if overlap else (False,):
+    out = ([Choice(0, True)] if overlap else []) + [Choice(0, False)]
+    for borrow in (True, False) if overlap else (False,):
         n = dedicated + (overlap if borrow else 0)
         out += [Choice(p, borrow) for p in range(1, n)]
     return out

@@ -53,7 +53,7 @@ def test_every_mode_ratio_and_borrowing_choice_is_a_candidate():
     sim.begin()
     found = candidates(sim)
     # 2 dedicated and 8 overlap workers: colocated x2, 1P without borrowing, 1..9P with borrowing
-    assert found == [Choice(0, False), Choice(0, True), Choice(1, False)] + [Choice(p, True) for p in range(1, 10)]
+    assert found == [Choice(0, True), Choice(0, False)] + [Choice(p, True) for p in range(1, 10)] + [Choice(1, False)]
     assert len(set(found)) == len(found)
 
 
