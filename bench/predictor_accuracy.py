@@ -82,8 +82,8 @@ def _summary(errors: list[float]) -> dict[str, float | int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=12, help="measured rollout steps per point (after the warm-up)")
-    parser.add_argument("--profile-steps", type=int, default=12, help="steps of the profiling run (after the warm-up)")
+    parser.add_argument("--steps", type=int, default=24, help="measured rollout steps per point (after the warm-up)")
+    parser.add_argument("--profile-steps", type=int, default=24, help="steps of the profiling run (after the warm-up)")
     parser.add_argument("--jobs", type=int, default=0, help="processes (0: one per CPU)")
     args = parser.parse_args()
     t0 = time.perf_counter()
