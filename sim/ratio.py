@@ -279,9 +279,10 @@ def ratio(
     if profile_steps < 1:
         raise BadInput(f"duration_s: the profiling run ({profile_config}) finished {len(profiling.makespans)} "
                        f"rollout steps in {scenario.duration_s:g} s, {warmup + 1} needed; raise duration_s")
-    profile = fit_from_run(prior_profile(scenario), profiling, warmup)
+    prior = prior_profile(scenario)
+    profile = fit_from_run(prior, profiling, warmup)
     selection = select_config(profile, n)
-    selection_prior = select_config(prior_profile(scenario), n)
+    selection_prior = select_config(prior, n)
     steps = steps or profile_steps
     configs = candidates_for(n)
     work = [(scenario, c, warmup + steps) for c in configs]
