@@ -26,13 +26,12 @@ length. Borrow cycles are not measured here yet: the toggle cost stays the confi
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any
 
 from pearl.policies.base import Signals
-from pearl.policies.borrowing import GateDecision, borrowable, gate, toggle_cost_prior
+from pearl.policies.borrowing import GateDecision, borrowable, toggle_cost_prior
 from pearl.policies.elasticity import dedicated_capacity
 from pearl.policies.pearl import PearlMemory, PearlPolicy
 from pearl.policies.switching import SwitchCosts
@@ -42,7 +41,7 @@ from sqlalchemy.orm import Session
 
 from . import fleet
 from .db import transaction
-from .domain import Activity, LeaseKind, PlanStatus, StepAction, StepStatus
+from .domain import LeaseKind, PlanStatus, StepAction, StepStatus
 from .errors import BadInput
 from .fleet import FleetSnapshot
 from .inventory import Inventory
@@ -52,8 +51,7 @@ from .profiles import StoredProfile, fleet_inventory, fleet_key, load_profile
 from .schema import GPU, Fleet, Lease, PolicyMemory, Telemetry, TrainingStep, Worker
 from .schema import Plan as PlanRow
 from .schema import PlanStep as StepRow
-from .selector import Selection, current_config
-from .selector import select as select_config
+from .selector import Selection
 from .state import load_snapshot
 from .telemetry import StepTelemetry, parse_telemetry
 
@@ -101,6 +99,7 @@ class Planned:
     gate: GateDecision | None  # the borrowing gate's numbers, when overlap slots were borrowable
     memory: PearlMemory
     memory_note: str  # how the stored memory was used
+    verdict: str = ""  # why the overlap slots are (or are not) held
     decision_id: int | None = None
     plan_id: int | None = None
 
@@ -135,8 +134,8 @@ class Planned:
             workers = self.selection.candidates[0].config.workers if self.selection.candidates else 0
             lines.append(f"ranked candidates for {workers} worker(s) (* chosen, = current):")
             lines.append(self.selection.explain())
-        if self.gate is not None:
-            lines.append(f"borrowing gate: {self.gate.reason}")
+        if self.verdict:
+            lines.append(f"borrowing: {self.verdict}")
         lines.append(f"decision: {self.target.reason}")
         return "\n".join(lines)
 
@@ -305,39 +304,13 @@ def decide(session: Session, *, event: str = "plan") -> Planned:
     memory, note = _load_memory(session, policy, stored)
     target, after = policy.decide(snapshot, signals, memory)
     plan = orchestrate(snapshot, target)
-    selection, dedicated, verdict = _rankings(snapshot, signals, after, len(target.members))
-    return Planned(snapshot, signals, stored, target, plan, selection, dedicated, verdict, after, note)
-
-
-def _rankings(
-    snapshot: FleetSnapshot, signals: Signals, memory: PearlMemory, members: int
-) -> tuple[Selection | None, Selection | None, GateDecision | None]:
-    """The selector's rankings behind the decision, for the explanation and the decisions row: the
-    same pure calls the policy makes (budgets, current shape of the workers that stay, costs)."""
-    n_ded = len(dedicated_capacity(snapshot))
-    n_over = len(borrowable(snapshot, signals))
-    staying = FleetSnapshot(snapshot.state_version, tuple(
-        w for w in snapshot.workers if w.available or w.activity is Activity.INACTIVE), snapshot.tp)
-    current = current_config(staying)
-    rf = signals.remaining_fraction if signals.remaining > 0 else 1.0
-
-    def rank(n: int) -> Selection | None:
-        if n <= 0:
-            return None
-        return select_config(memory.profile, n, current, costs=memory.costs, remaining_fraction=rf)
-
-    ded = rank(n_ded)
-    if n_over == 0:
-        return ded, None, None
-    full = rank(n_ded + n_over)
-
-    def best(sel: Selection | None) -> float:
-        t = _predicted(sel, sel.chosen) if sel is not None and sel.chosen is not None else None
-        return t if t is not None else math.inf
-
-    t_ded, t_full = best(ded), best(full)
-    verdict = gate(rf, t_ded, t_full if math.isfinite(t_full) else t_ded, memory.toggle)
-    return (full if members > n_ded else ded), ded, verdict
+    # The policy's own assessment (its memory after the fold): what `--explain` shows is what decided.
+    seen = policy.assess(snapshot, signals, after)
+    chosen = seen.with_overlap if seen.borrow and seen.with_overlap is not None else seen.on_dedicated
+    return Planned(snapshot, signals, stored, target, plan,
+                   chosen.selection if chosen is not None else None,
+                   seen.on_dedicated.selection if seen.with_overlap is not None and seen.on_dedicated else None,
+                   seen.gate, after, note, seen.verdict)
 
 
 def plan(engine: Engine, *, dry_run: bool = False, event: str = "plan", actor: str = "pearlctl plan") -> Planned:

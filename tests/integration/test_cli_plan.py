@@ -56,7 +56,7 @@ def test_plan_explain_ranks_the_candidates_on_the_paper_cluster(pearlctl: Callab
     assert "ranked candidates for 10 worker(s)" in text_out
     ranking = [line.split()[1] for line in text_out.splitlines() if line[:5].strip().rstrip("*=").isdigit()]
     assert set(ranking) >= {"colocated", "1P9D", "2P8D", "5P5D", "9P1D"}
-    assert "borrowing gate: borrow: (R/B) x (T_ded - T_full)" in text_out
+    assert "borrowing: gate: borrow: (R/B) x (T_ded - T_full)" in text_out
     assert "decision: nothing running: start" in text_out
     assert "catalog profile (qwen3-8b, h800, tp 2, catalog; computed)" in text_out
     assert "apply it with `pearlctl apply 1`" in text_out
