@@ -420,9 +420,20 @@ def evaluate(
     tail = np.full(len(n1), np.nan)
     if len(chosen):
         pass1 = wb.rows_matrix @ coefficients[:, chosen] + wb.rows_constant[split][:, None]
-        total, top, parts = _refine(wb, split, n1[chosen], n2[chosen], f[:, chosen], pass1)
+        now = _boundary(wb, remaining_fraction)
+        total, top, parts, at_top = _refine(wb, split, n1[chosen], n2[chosen], f[:, chosen], pass1, now)
         order = np.argsort(total, axis=0, kind="stable")
         makespan[chosen] = wb.weights @ np.take_along_axis(total, order, axis=0)
+        if remaining_fraction < 1:
+            # Remaining time from now, when R/B remain: each trajectory's own time left after the
+            # boundary `now` (the re-timed rows from pass 2; the others by the round model), then the
+            # expected maximum over what is left. Subtracting a round-model elapsed time from the
+            # pass-2 makespan would mix two models and rank budgets wrongly mid-step.
+            elapsed = _elapsed(wb, split, st, costs, remaining_fraction)[chosen]
+            at = np.minimum(np.broadcast_to(elapsed, total.shape), total)
+            np.put_along_axis(at, top, at_top, axis=0)
+            left = np.sort(np.maximum(total - at, 0.0), axis=0)
+            remaining_chosen = wb.weights @ left
         # the critical path's components: the slowest rows carry all but ~(1 - LEAD_SHARE)^B of the weight
         rank = np.empty_like(order)
         np.put_along_axis(rank, order, np.arange(len(total))[:, None], axis=0)
@@ -442,6 +453,8 @@ def evaluate(
     refined = np.zeros(len(n1), dtype=bool)
     refined[chosen] = True
     remaining = makespan - _elapsed(wb, split, st, costs, remaining_fraction)
+    if remaining_fraction < 1 and len(chosen):
+        remaining[chosen] = remaining_chosen
     return Evaluation(
         makespan_s=np.maximum(remaining, 0.0),
         feasible=np.array([not r for r in reasons]),
@@ -452,21 +465,29 @@ def evaluate(
     )
 
 
-def _elapsed(wb: Workbook, split: bool, st: dict, costs: _Costs, remaining_fraction: float) -> np.ndarray:
-    """Time by which all but `remaining_fraction` of the trajectories are done: the rounds it takes
-    for the alive share to fall to it, at each round's mean duration (0 at the start)."""
+def _boundary(wb: Workbook, remaining_fraction: float) -> tuple[int, float]:
+    """The round boundary at which `remaining_fraction` of the trajectories are still alive, as
+    (k, w): w of the way from boundary k-1 to boundary k; (0, 0) at the start of a step."""
     if not 0 < remaining_fraction <= 1:
         raise BadInput(f"remaining_fraction: must be in (0, 1], got {remaining_fraction}")
     if remaining_fraction >= 1:
+        return 0, 0.0
+    frac = wb.alive_fraction  # (R+1,), non-increasing from 1
+    k = int(np.argmax(frac <= remaining_fraction))  # first boundary at or below the remaining share
+    hi, lo = frac[k - 1], frac[k]
+    return k, ((hi - remaining_fraction) / (hi - lo) if hi > lo else 1.0)
+
+
+def _elapsed(wb: Workbook, split: bool, st: dict, costs: _Costs, remaining_fraction: float) -> np.ndarray:
+    """Time by which all but `remaining_fraction` of the trajectories are done: the rounds it takes
+    for the alive share to fall to it, at each round's mean duration (0 at the start)."""
+    k, w = _boundary(wb, remaining_fraction)
+    if k == 0:
         return np.zeros(costs.per_token.shape[1])
     pre = st["new_split" if split else "new_colocated"] + costs.miss * st["ctx_before"]
     pre = pre * wb.profile.engine.prefill_s_per_token_at(st["ctx_before"])
     rnd = st["gen"] * costs.per_token + pre + costs.extra + st["env"] + (st["transfer"] if split else 0.0)
     times = np.vstack([np.zeros((1, rnd.shape[1])), np.cumsum(rnd, axis=0)])  # (R+1, C) at each round's end
-    frac = wb.alive_fraction  # (R+1,), non-increasing from 1
-    k = int(np.argmax(frac <= remaining_fraction))  # first boundary at or below the remaining share
-    hi, lo = frac[k - 1], frac[k]
-    w = (hi - remaining_fraction) / (hi - lo) if hi > lo else 1.0
     return times[k - 1] + w * (times[min(k, len(times) - 1)] - times[k - 1])
 
 
@@ -477,11 +498,13 @@ def _refine(
     n2: np.ndarray,
     f: np.ndarray,
     pass1: np.ndarray,
-) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
+    now: tuple[int, float] = (0, 0.0),
+) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray], np.ndarray]:
     """Pass 2 (see `evaluate`): re-time the slowest trajectories with the load at their own time.
 
     Returns the completion times of all rows (K x C, the slowest re-timed), the indices of the
-    re-timed rows (top x C) and their components (top x C each)."""
+    re-timed rows (top x C), their components (top x C each), and the time at which each re-timed
+    row reaches round boundary `now` = (k, w): w of the way from boundary k-1 to k (top x C)."""
     p, e, w = wb.profile, wb.profile.engine, wb.rows
     k_n, c_n = pass1.shape
     top_n = min(k_n, max(1, int(np.ceil(LEAD_SHARE * k_n))))
@@ -495,8 +518,12 @@ def _refine(
     base = np.arange(c_n) * SURVIVAL_POINTS
     pre = w.pre_split if split else w.pre_colocated
     tau = np.zeros((top_n, c_n))
+    k_now, w_now = now
+    at = np.zeros((top_n, c_n))  # the time each re-timed row reaches boundary `now`
     acc = {name: np.zeros((top_n, c_n)) for name in PARTS if name != "env_s"}
     for k in range(w.gen.shape[1]):
+        if k == k_now - 1:
+            at = tau.copy()
         live = w.turn[top, k]
         if not live.any():
             break
@@ -517,11 +544,14 @@ def _refine(
         }
         for name, v in pieces.items():
             acc[name] += v * live
+        before = tau.copy()
         tau += sum(pieces.values()) * live + w.env_turn[top, k]
+        if k == k_now - 1:
+            at = before + w_now * (tau - before)
     total = pass1.copy()
     np.put_along_axis(total, top, tau, axis=0)
     acc["env_s"] = w.env_turn.sum(axis=1)[top]
-    return total, top, acc
+    return total, top, acc, np.minimum(at, tau)
 
 
 def _feasibility(

@@ -211,6 +211,18 @@ def test_remaining_fraction(prior):
             predict(prior, Config.colocated(8), remaining_fraction=bad)
 
 
+def test_remaining_time_mid_step_does_not_reward_fewer_workers(prior):
+    # Half-way through a step, the time left on more workers is never longer than on fewer: the
+    # remaining time is each trajectory's own time after the boundary, in one model (pass 2), not a
+    # round-model elapsed time subtracted from a pass-2 makespan.
+    left = [predict(prior, Config.colocated(n), remaining_fraction=0.5).makespan_s for n in (2, 4, 8, 16)]
+    assert left == sorted(left, reverse=True)
+    assert left[0] > left[-1]
+    # and for one configuration, less left to do never takes longer
+    by_share = [predict(prior, Config.colocated(8), remaining_fraction=rf).makespan_s for rf in (1.0, 0.7, 0.4, 0.1)]
+    assert by_share == sorted(by_share, reverse=True)
+
+
 def test_vectorised_evaluation_matches_single_predictions(prior):
     wb = prepare(prior)
     p = np.arange(1, 8, dtype=float)
