@@ -75,6 +75,9 @@ class Target:
     counts: Mapping[Role, int]  # active workers per role; sums to len(members)
     pinned: Mapping[int, Role] = field(default_factory=dict)  # roles the policy fixes for some members
     reason: str = ""  # why (shown by `pearlctl plan --explain`, stored with the decision)
+    # Consult the policy again once no more than this many trajectories of the step under way are
+    # unfinished (e.g. to give borrowed GPUs back before the step ends); None: no such wake-up.
+    recheck_remaining: int | None = None
 
     @property
     def mode(self) -> Mode | None:

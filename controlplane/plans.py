@@ -127,6 +127,7 @@ def target_to_dict(target: fleet.Target) -> dict[str, Any]:
         "counts": {str(r): n for r, n in target.counts.items()},
         "pinned": {str(w): str(r) for w, r in sorted(target.pinned.items())},
         "reason": target.reason,
+        "recheck_remaining": target.recheck_remaining,
     }
 
 

@@ -18,7 +18,11 @@ Each call:
    are not used here: mid-step they can rank a superset of the workers slower than the subset
    (the remaining time is measured from the moment each configuration reaches R/B, not from now).
    Once borrowed, the activation is paid and the return is due whatever happens, so the overlap
-   slots stay while they still shorten the step (gain > 0);
+   slots stay while they still shorten the step (gain > 0), until the tail: once the unfinished
+   trajectories are no more than the dedicated workers (one each), the overlap workers no longer
+   shorten the step and are given back at once, so that the return is done before the step ends and
+   the trainer starts on time (invariant 2); the target asks to be consulted at that point
+   (`Target.recheck_remaining`);
 4. lets the selector pick the configuration for that budget against the current one, with its
    hysteresis (`selector.select`); forced switches (the current shape became infeasible, or
    nothing runs) are never blocked there;
@@ -223,6 +227,9 @@ class PearlPolicy:
             target = colocated(members, "; ".join([option.reason, *notes]))
         else:
             target = split(members, option.config.n_prefill, "; ".join([option.reason, *notes]))
+        if a.borrow and a.dedicated:
+            # wake the policy at the tail of the step to give the borrowed GPUs back in time
+            target = replace(target, recheck_remaining=len(a.dedicated))
         return target, _record(memory, signals, option.config if option is not None else None)
 
     def assess(self, snapshot: FleetSnapshot, signals: Signals, memory: PearlMemory) -> Assessment:
@@ -252,6 +259,13 @@ class PearlPolicy:
         if not overlap:
             return Assessment(dedicated, overlap, on_dedicated, None, None, False, "")
         with_overlap = option(len(dedicated) + len(overlap))
+        if 0 < signals.remaining <= len(dedicated):
+            # The tail of the step: the unfinished trajectories fit the dedicated workers one each,
+            # so the overlap workers no longer shorten it; give their GPUs back now, while the
+            # return (toggle off) can finish before the step ends and the trainer wants them.
+            verdict = (f"tail: {signals.remaining} unfinished trajectories fit the {len(dedicated)} dedicated "
+                       "workers; the training GPUs go back before the step ends")
+            return Assessment(dedicated, overlap, on_dedicated, with_overlap, None, False, verdict)
         if self.borrow is Borrow.ALWAYS:
             return Assessment(dedicated, overlap, on_dedicated, with_overlap, None, True,
                               f"borrowing {len(overlap)} overlap workers (ungated)")

@@ -68,6 +68,7 @@ class Simulation:
         self.halted = False  # set by a subclass to stop `advance` after the current event (the oracle)
         self.batch: list[Trajectory] = []
         self.remaining = 0
+        self.recheck_remaining: int | None = None  # the latest target's wake-up hint (Target.recheck_remaining)
         self.telemetry: StepTelemetry | None = None
         self.batch_tokens: dict[int, int] = {}
         self.step_begin = 0.0
@@ -177,6 +178,7 @@ class Simulation:
         self.decide_pending = []
         snapshot = self._snapshot()
         target, self.memory = self.policy.decide(snapshot, self._signals(event), self.memory)
+        self.recheck_remaining = target.recheck_remaining
         plan = orchestrate(snapshot, target)
         if plan.empty:
             return
@@ -346,6 +348,9 @@ class Simulation:
             self.remaining -= 1
             if self.remaining == 0:
                 self._rollout_end()
+            elif self.recheck_remaining is not None and self.remaining <= self.recheck_remaining:
+                self.recheck_remaining = None  # once; the policy sets it again if it still wants it
+                self.request_decision("tail")
             return
         self._live_change(0, 1)
         self.push(self.now + traj.env_s[traj.turn], EV_ENV, traj)

@@ -106,6 +106,22 @@ def test_never_holds_an_overlap_slot_while_training_runs_or_wants_its_gpus(borro
     assert plan.remove == _overlap_ids(fleet)
 
 
+@pytest.mark.parametrize("borrow", [Borrow.GATED, Borrow.ALWAYS])
+def test_borrowed_workers_go_back_at_the_tail_of_the_step(borrow):
+    policy = _policy(borrow=borrow)
+    borrowing = _fleet()
+    target, _ = policy.decide(borrowing, _signals(), policy.initial_memory())
+    assert _overlap_ids(borrowing) <= target.members
+    assert target.recheck_remaining == 2  # consult me again when the step's tail fits the 2 dedicated workers
+    holding = _fleet(overlap_active=True)
+    for remaining in (2, 1):
+        target, _ = policy.decide(holding, _signals(event="tail", remaining=remaining), policy.initial_memory())
+        assert not (_overlap_ids(holding) & target.members) and "tail:" in target.reason
+        assert target.members == {0, 1} and target.recheck_remaining is None
+    target, _ = policy.decide(holding, _signals(event="tail", remaining=3), policy.initial_memory())
+    assert _overlap_ids(holding) <= target.members
+
+
 def test_ungated_borrows_whatever_the_gain_and_pd_only_never_borrows():
     fleet, costly = _fleet(), ToggleCost(1e6)
     ungated = _policy(borrow=Borrow.ALWAYS)

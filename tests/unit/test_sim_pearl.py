@@ -81,7 +81,8 @@ def test_borrowed_gpus_are_back_before_every_training_step():
     sim.trainer.start_training = start
     r = sim.run()
     assert starts and sim.toggle_costs  # it borrowed, and gave back every time
-    assert r.lateness_s <= r.late_returns * (sim.sc.reconfig.toggle_off_s + 1e-9)
+    # given back at the tail of each step, before the trainer wanted them: never late
+    assert r.late_returns == 0 and r.lateness_s == 0
     decoded, held = sim.token_balance()
     assert decoded == held
 
