@@ -236,6 +236,8 @@ class Simulation:
             self.borrow[w.id] = [now, math.nan, math.nan]
 
     def freed(self, w: Worker, now: float) -> None:
+        if not w.holds_gpus:  # freed already (a forced release whose group was cancelled first)
+            return
         w.holds_gpus = False
         self._count_gpus(-len(w.gpus))
         if w.zone is WorkerZone.OVERLAP:
@@ -457,10 +459,10 @@ class Simulation:
         w.deadline = None
         if w.holds_gpus:  # the policy did not release it in time: the GPUs go anyway
             self.forced_releases += 1
-            self.executor.forget(w, self.now)
+            self.executor.forget(w, self.now)  # may cancel its expansion group, which frees it
             self.stop(w, self.now)
             w.activity = Activity.INACTIVE
-            self.freed(w, self.now)
+            self.freed(w, self.now)  # a no-op if the group's cancellation freed it already
             self.request_decision("forced_release")
 
     # -- accounting ------------------------------------------------------------------------------

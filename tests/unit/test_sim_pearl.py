@@ -44,6 +44,7 @@ def test_pearl_keeps_every_partial_trajectory_through_notices(notice_s):
     decoded, held = sim.token_balance()
     assert r.interrupted_requests > 0
     assert decoded == held
+    assert sim.gpus == sim.cluster.gpus_held()  # each GPU freed once: gpu_seconds counts what was held
     if notice_s:
         assert r.forced_releases == 0  # drained and released before each notice ran out
     else:

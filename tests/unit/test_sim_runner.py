@@ -89,14 +89,41 @@ def test_the_preemptible_trace_is_replayed_and_notices_are_honoured():
     assert len(changes) > 5
 
 
+def count_checked(sim: Simulation) -> list[tuple[float, int, int]]:
+    """Record every instant the GPU count the metric integrates differs from the GPUs really held."""
+    mismatches = []
+    original = sim._count_gpus
+
+    def checked(delta: int) -> None:
+        original(delta)
+        if sim.gpus != sim.cluster.gpus_held():
+            mismatches.append((sim.now, sim.gpus, sim.cluster.gpus_held()))
+
+    sim._count_gpus = checked
+    return mismatches
+
+
 def test_partial_trajectories_are_never_lost():
     for overrides in (SHORT, [*SHORT, "cluster.preemptible.notice_s=0"]):
         sim = _sim("rlboost-plus", overrides)
+        mismatches = count_checked(sim)
         r = sim.run()
         decoded, held = sim.token_balance()
         assert r.interrupted_requests > 0
         assert decoded == held  # every decoded token is in some trajectory, exactly once
+        assert mismatches == [] and sim.gpus == sim.cluster.gpus_held()  # gpu_seconds counts what is held
     assert r.forced_releases > 0  # no notice: the GPUs went before the policy could drain them
+
+
+def test_a_forced_release_frees_a_starting_group_member_once():
+    # seg1 without notice: a grant at 120 s starts an expansion group; its GPUs are taken back at
+    # 180 s while a member still loads its weights: the group is cancelled and the GPUs freed once.
+    sim = _sim("rlboost-plus", ["duration_s=600", "cluster.preemptible.notice_s=0"])
+    mismatches = count_checked(sim)
+    r = sim.run()
+    assert r.forced_releases > 0 and r.cancelled_groups > 0
+    assert mismatches == [] and sim.gpus == sim.cluster.gpus_held()
+    assert r.gpu_seconds > sim.sc.cluster.reserved_rollout_gpus * sim.sc.duration_s
 
 
 def test_borrowed_gpus_return_before_every_training_step():
