@@ -325,8 +325,10 @@ def _fail(session: Session, plan: PlanRow, steps: list[StepRow], failed: list[St
             .values(status=StepStatus.CANCELLED, error=f"cancelled: {plan.error}")
             .execution_options(synchronize_session=False)
         )
-    # a group admitted all-or-nothing is abandoned as a whole: its members that already took GPUs give them back
-    groups = {s.expansion_group for s in steps if s.expansion_group}
+    # a group admitted all-or-nothing is abandoned as a whole when some member's admit did not succeed:
+    # its members that already took GPUs give them back (a fully admitted group stays: it serves)
+    groups = {s.expansion_group for s in steps
+              if s.expansion_group and s.action is StepAction.ADMIT and s.status is not StepStatus.SUCCEEDED}
     members = {s.worker_id for s in steps if s.expansion_group in groups}
     took = {s.worker_id for s in steps if s.worker_id in members and s.action is StepAction.START
             and s.status in (StepStatus.SUCCEEDED, StepStatus.RUNNING)}

@@ -5,10 +5,12 @@
 -- Claim up to :limit ready steps of one node for one agent, in one statement: each gets a lease
 -- until :now + :lease_s seconds and a fresh fencing token. SKIP LOCKED lets claimers pass each other;
 -- at most one step per worker is taken (and the unique index keeps one running step per worker).
+-- Only steps of the applying plan: a failed, stale or superseded plan's steps never run.
 WITH ready AS (
     SELECT s.id, row_number() OVER (PARTITION BY s.worker_id ORDER BY s.plan_id, s.id) AS nth
     FROM plan_steps s
     WHERE s.node_id = :node_id AND s.status = 'ready'
+      AND EXISTS (SELECT 1 FROM plans p WHERE p.id = s.plan_id AND p.status = 'applying')
       AND NOT EXISTS (SELECT 1 FROM plan_steps r WHERE r.worker_id = s.worker_id AND r.status = 'running')
 ), c AS (
     SELECT s.id
@@ -48,22 +50,28 @@ RETURNING id, status;
 
 -- name: rescue_expired_steps
 -- Running steps whose claim lease ran out (their agent stopped heartbeating): back to ready for
--- another claim, or failed once :max_attempts claims have expired. The old fence stays, so a late
--- report from the lost claim changes nothing.
+-- another claim, or failed once :max_attempts claims have expired; cancelled when their plan is no
+-- longer applying (it failed meanwhile: nothing of it may run again). The old fence stays, so a late
+-- report from the lost claim changes nothing. The plan row is read under a share lock (skipped while
+-- another transaction changes it, so a plan failing at this moment sees the rescued step and cancels it).
 WITH expired AS (
-    SELECT id
-    FROM plan_steps
-    WHERE status = 'running' AND lease_until < :now
-    ORDER BY id
-    FOR UPDATE SKIP LOCKED
+    SELECT s.id, p.status = 'applying' AS live
+    FROM plan_steps s
+    JOIN plans p ON p.id = s.plan_id
+    WHERE s.status = 'running' AND s.lease_until < :now
+    ORDER BY s.id
+    FOR UPDATE OF s SKIP LOCKED
+    FOR SHARE OF p SKIP LOCKED
 )
 UPDATE plan_steps s
-SET status = CASE WHEN s.attempts >= :max_attempts THEN CAST('failed' AS step_status)
+SET status = CASE WHEN NOT expired.live THEN CAST('cancelled' AS step_status)
+                  WHEN s.attempts >= :max_attempts THEN CAST('failed' AS step_status)
                   ELSE CAST('ready' AS step_status) END,
     claimed_by = NULL,
     lease_until = NULL,
-    finished_at = CASE WHEN s.attempts >= :max_attempts THEN :now END,
+    finished_at = CASE WHEN NOT expired.live OR s.attempts >= :max_attempts THEN :now END,
     error = 'claim expired (attempt ' || s.attempts || ')'
+            || CASE WHEN expired.live THEN '' ELSE '; its plan is no longer applying' END
 FROM expired
 WHERE s.id = expired.id
 RETURNING s.id, s.status, s.attempts;

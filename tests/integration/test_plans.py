@@ -192,6 +192,42 @@ def test_a_failed_step_fails_the_plan_and_cancels_the_group(cluster_engine: Engi
         assert plans.reconcile(session, plan_id) == plans.PlanProgress(plan_id, PlanStatus.FAILED)
 
 
+def test_a_fully_admitted_group_is_not_released_when_a_later_step_fails(cluster_engine: Engine, clock) -> None:
+    plan_id = propose(cluster_engine)
+    plans.apply(cluster_engine, plan_id)
+    progress = run_plan(cluster_engine, clock(), fail="router_sync")
+    failed = [p for p in progress if p.status is PlanStatus.FAILED]
+    _, steps = rows(cluster_engine, plan_id)
+    status = {s.key: s.status for s in steps}
+    assert status["router_sync"] is StepStatus.FAILED
+    assert all(status[f"w{w}.admit"] is StepStatus.SUCCEEDED for w in (1, 2, 3))
+    # every member was admitted and serves: nothing of the group is given back
+    assert len(failed) == 1 and failed[0].release == ()
+
+
+def test_steps_of_a_failed_plan_are_never_rescued_or_claimed_again(cluster_engine: Engine, clock) -> None:
+    plan_id = propose(cluster_engine)
+    plans.apply(cluster_engine, plan_id)
+    starts = {s["key"]: s for s in claim_ready(cluster_engine, clock())}
+    assert sorted(starts) == ["w1.start", "w2.start", "w3.start"]
+    failed = report(cluster_engine, starts["w1.start"], StepStatus.FAILED, clock(), "boom")
+    assert failed.status is PlanStatus.FAILED
+    # the agents running w2.start and w3.start die: their claims expire and the rescuer runs
+    with transaction(cluster_engine) as session:
+        rescued = session.execute(query("rescue_expired_steps"), {"now": clock.advance(60), "max_attempts": 3}).all()
+    assert sorted((r.id, r.status) for r in rescued) == sorted(
+        (starts[k]["id"], "cancelled") for k in ("w2.start", "w3.start"))
+    assert claim_ready(cluster_engine, clock()) == []
+    _, steps = rows(cluster_engine, plan_id)
+    assert not [s.key for s in steps if s.status in (StepStatus.READY, StepStatus.RUNNING)]
+    assert all("no longer applying" in s.error for s in steps if s.key in ("w2.start", "w3.start"))
+    # a ready step left in a plan that is not applying (whatever put it there) is not handed out either
+    with transaction(cluster_engine) as session:
+        session.execute(text("UPDATE plan_steps SET status = 'ready', error = NULL WHERE plan_id = :p "
+                             "AND key = 'w2.start'"), {"p": plan_id})
+    assert claim_ready(cluster_engine, clock()) == []
+
+
 def test_a_report_under_a_lost_claim_changes_nothing(cluster_engine: Engine, clock) -> None:
     plan_id = propose(cluster_engine)
     plans.apply(cluster_engine, plan_id)

@@ -7,7 +7,16 @@ from datetime import datetime
 
 import pytest
 from pearl.controlplane.db import transaction
-from pearl.controlplane.domain import Activity, GPUState, LeaseKind, Role, StepAction, StepStatus, WorkerZone
+from pearl.controlplane.domain import (
+    Activity,
+    GPUState,
+    LeaseKind,
+    PlanStatus,
+    Role,
+    StepAction,
+    StepStatus,
+    WorkerZone,
+)
 from pearl.controlplane.queries import load_queries, query
 from pearl.controlplane.schema import Agent, Lease, Plan, PlanStep
 from pearl.controlplane.state import load_snapshot
@@ -26,7 +35,7 @@ def make_plan(engine: Engine, node: str, n_workers: int | None = None) -> tuple[
         workers = session.execute(text("SELECT id FROM workers WHERE node_id = :n ORDER BY slot"),
                                   {"n": node_id}).scalars().all()[:n_workers]
         version = session.execute(text("SELECT state_version FROM fleet")).scalar_one()
-        plan = Plan(base_version=version)
+        plan = Plan(base_version=version, status=PlanStatus.APPLYING)  # only an applying plan's steps run
         agent = Agent(node_id=node_id, host="test", pid=1)
         session.add_all([plan, agent])
         session.flush()
@@ -185,7 +194,7 @@ def test_status_shows_the_latest_plan_and_open_leases(cluster_engine: Engine) ->
         session.add(Lease(gpu_id=spot[0], kind=LeaseKind.PREEMPTIBLE))
     with transaction(cluster_engine, isolation_level="REPEATABLE READ") as session:
         status = fleet_status(session)
-    assert status["plan"]["steps"] == {"ready": len(steps)} and status["plan"]["status"] == "proposed"
+    assert status["plan"]["steps"] == {"ready": len(steps)} and status["plan"]["status"] == "applying"
     assert [(lease["kind"], lease["node"], lease["device"]) for lease in status["leases"]] == [
         ("preemptible", "spot-0", 0)]
     assert status["gpus"]["by_zone_state"]["preemptible"] == {"free": 2}
