@@ -1,9 +1,11 @@
 """`oracle`: an upper bound with hindsight and free reconfiguration, its own simulator run.
 
-For each rollout step the oracle pauses the run at the step's beginning, copies it once per
-candidate (colocated, or split with N_P prefill workers; each with or without borrowing the idle
-training GPUs), plays every copy to the end of that step, and continues from the copy that ended
-it first. It never reads other systems' results.
+For each rollout step the oracle pauses the run at the step's beginning, before the batch is
+dispatched, copies it once per candidate (colocated, or split with N_P prefill workers; each with or
+without borrowing the idle training GPUs), puts the candidate's fleet in place (at no cost, so at
+once) and only then dispatches the batch, plays every copy to the end of that step, and continues
+from the copy that ended it first. Step 0 is chosen the same way, so the t=0 fleet is the chosen
+candidate's, as pearl's t=0 fleet is its first decision. It never reads other systems' results.
 
 - Free reconfiguration: every reconfiguration cost is zero for it (cold start, admission, role
   switch, borrow and return, the weight load of a new server). The weight sync after each training
@@ -76,14 +78,15 @@ class OraclePolicy:
 
 
 class _Playable(Simulation):
-    """A run whose reconfigurations are free and that can stop when a rollout step begins or ends."""
+    """A run whose reconfigurations are free, that halts when a rollout step begins (its batch held
+    back until `play` picks the fleet) and, with `stop_after`, when that step ends."""
 
     def __init__(self, scenario: Scenario, progress: Callable[[float], None] | None = None) -> None:
         super().__init__(scenario, OraclePolicy(), progress)
         self.executor.cost = FREE
         self.executor.weight_sync_s = 0.0  # a new server's weight load; the post-training sync stays
         self.stop_after: int | None = None  # halt when this rollout step ends
-        self.stop_on_begin = False  # halt when a rollout step begins
+        self.held_back = False  # a rollout step has begun; its batch waits for `play`
 
     def _rollout_end(self) -> None:
         step = self.trainer.rollout_step
@@ -91,11 +94,18 @@ class _Playable(Simulation):
         if step == self.stop_after:
             self.halted = True
 
-    def _try_rollout(self) -> None:
-        before = self.trainer.rollout_step
-        super()._try_rollout()
-        if self.stop_on_begin and self.trainer.rollout_step != before:
-            self.halted = True
+    def _dispatch_batch(self) -> None:
+        self.held_back = True
+        self.halted = True
+
+    def play(self, choice: Choice) -> None:
+        """Put `choice`'s fleet in place (free reconfiguration takes no time), then dispatch the batch."""
+        self.memory = choice
+        self.decide_pending.append("oracle")
+        self._decide()
+        self.held_back = False
+        self.halted = False
+        super()._dispatch_batch()
 
 
 def candidates(sim: Simulation) -> list[Choice]:
@@ -118,16 +128,15 @@ def _fork(sim: _Playable) -> _Playable:
 
 
 def _best_step(sim: _Playable) -> tuple[_Playable, int]:
-    """Play the step under way once per candidate; the copy that ended it first (and how many ran)."""
+    """Play the step held back once per candidate; the copy that ended it first (and how many ran)."""
     step, duration = sim.trainer.rollout_step, sim.sc.duration_s
     best: _Playable | None = None
     best_key: tuple[int, float] = (2, 0.0)
     tried = 0
     for choice in candidates(sim):
         fork = _fork(sim)
-        fork.memory = choice
         fork.stop_after = step
-        fork.request_decision("oracle")
+        fork.play(choice)
         limit = min(duration, best.now) if best is not None and best_key[0] == 0 else duration
         fork.advance(limit)
         tried += 1
@@ -145,17 +154,14 @@ def _best_step(sim: _Playable) -> tuple[_Playable, int]:
 def search(scenario: Scenario, progress: Callable[[float], None] | None = None) -> Simulation:
     """The oracle's run, played step by step to `duration_s` (module docstring); not yet finished."""
     sim = _Playable(scenario, progress)
-    sim.begin()
+    sim.begin()  # halts as step 0 begins, its batch held back
     while sim.now < sim.sc.duration_s:
-        if sim.trainer.rolling:
+        if sim.held_back:
             sim, _ = _best_step(sim)
             continue
-        sim.stop_on_begin = True  # the trainer holds the next step back: play on until it begins
-        sim.advance(sim.sc.duration_s)
-        sim.stop_on_begin = False
+        sim.advance(sim.sc.duration_s)  # the trainer holds the next step back: play on until it begins
         if not sim.halted:
             break
-        sim.halted = False
     return sim
 
 

@@ -383,6 +383,10 @@ class Simulation:
         self.sink.clear()
         self.live_area = self.decoding_area = 0.0
         self._live_change(len(self.batch), 0)
+        self._dispatch_batch()
+
+    def _dispatch_batch(self) -> None:
+        """Send the new batch's first turns to the fleet (the oracle first picks the fleet)."""
         for traj in self.batch:
             self._dispatch(traj)
         self.request_decision("rollout_begin")

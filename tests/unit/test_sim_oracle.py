@@ -13,7 +13,9 @@ from pearl.policies.base import Signals
 from pearl.sim.experiments import Comparison, compare
 from pearl.sim.metrics import Result
 from pearl.sim.oracle import FREE, Choice, OraclePolicy, _Playable, candidates, run_oracle, search
+from pearl.sim.runner import Simulation
 from pearl.sim.scenario import load_scenario
+from pearl.sim.systems import system
 from typer.testing import CliRunner
 
 pytestmark = pytest.mark.unit
@@ -55,6 +57,24 @@ def test_every_mode_ratio_and_borrowing_choice_is_a_candidate():
     # 2 dedicated and 8 overlap workers: colocated x2, 1P without borrowing, 1..9P with borrowing
     assert found == [Choice(0, True), Choice(0, False)] + [Choice(p, True) for p in range(1, 10)] + [Choice(1, False)]
     assert len(set(found)) == len(found)
+
+
+def test_the_fleet_is_chosen_before_the_batch_is_dispatched():
+    sim = _Playable(load_scenario("paper-qwen3-30b-a3b-seg3", ["duration_s=300"]))
+    sim.begin()
+    assert sim.held_back and sim.now == 0.0 and all(t.holder is None for t in sim.batch)
+    sim.play(Choice(0, True))  # colocated on the 6 dedicated and the 8 overlap workers, in place at once
+    owned = {e.worker: sim.router.owned[e] for e in sim.router.engines.values()}
+    assert len(owned) == 14 and min(owned.values()) >= 4 and sum(owned.values()) == len(sim.batch)
+
+
+def test_the_oracles_first_step_is_no_slower_than_pearls():
+    # pearl's first decision is its t=0 fleet; the oracle's t=0 fleet is its best candidate's
+    sc = load_scenario("paper-qwen3-30b-a3b-seg3", ["duration_s=300"])
+    oracle = search(sc)
+    pearl = Simulation(sc, system("pearl").policy(sc))
+    pearl.run()
+    assert oracle.makespans[0] <= pearl.makespans[0]
 
 
 def test_reconfiguration_is_free_for_the_oracle_and_nothing_is_lost():
