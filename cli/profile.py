@@ -74,7 +74,8 @@ def profile(
     scaled_note = (f"scaled-down shape (x{spec.scale:g}: hidden {shape.hidden} of {spec_model.hidden}, "
                    f"{shape.q_heads} of {spec_model.q_heads // tp} q heads, FFN {shape.ffn} of "
                    f"{ffn_width(spec_model) // tp}): these timings describe this {device} running the scaled "
-                   "shape, not the model itself" if result.scaled else "the model's full shape (one TP rank)")
+                   "shape, not the model itself, so the row is kept as history and never planned with"
+                   if result.scaled else "the model's full shape (one TP rank)")
     if as_json:
         emit_json({"profile_id": row_id, "key": {"model": key.model, "gpu": key.gpu, "tp": key.tp,
                                                  "device": key.device},

@@ -4,10 +4,11 @@
 is validated before anything is written (`controlplane/telemetry.py`: NaN, negative counts and
 missing fields are refused with the field named). Then, in one transaction: the raw step is stored,
 `tracker.fit_profile` folds it into the current profile (`profiles.load_profile`: fitted, else
-measured engine over the workload prior, else the catalog prior) and the result is stored as a new
-`fitted` row naming the row it was refit from (or the measured row whose engine the prior used) and
-the telemetry row it folded in. A catalog prior computed on demand is stored first, so every fitted
-chain starts at a stored row.
+measured engine over the workload prior, else the catalog prior; with no workload block and nothing
+fitted yet, this very step is the prior) and the result is stored as a new `fitted` row naming the
+row it was refit from (the measured row whose engine the profile uses, when it uses one; else the
+fitted row) and the telemetry row it folded in. A prior computed on demand is stored first, so every
+fitted chain starts at a stored row.
 
 Duplicate step numbers: a step is folded in once. The same step again with the same content is a
 no-op (a trainer that retries after a lost reply is safe); with different content it is refused
@@ -15,7 +16,9 @@ no-op (a trainer that retries after a lost reply is safe); with different conten
 concurrent ingestions never both refit from the same row and lose one step.
 
 When the step's makespan is known (`makespan_s`), T_over is refit against the prediction for the
-configuration the fleet is running now (the tracker's residual); with nothing running it is not.
+configuration the step itself ran on: the distinct workers of its `iterations` records and their
+roles. Without iteration records, or when they do not form one configuration (a worker in two
+roles, colocated beside prefill or decode, a split missing one side), the makespan is not fitted.
 """
 
 from __future__ import annotations
@@ -23,20 +26,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from sqlalchemy import Engine, select, text
+from sqlalchemy import Engine, select
 from sqlalchemy.orm import Session
 
 from .db import transaction
+from .domain import ROLLOUT_ROLES, Role
 from .errors import BadInput
-from .profiles import FLEET_DEVICE, fleet_inventory, fleet_key, load_profile, save_profile
+from .predictor import Config
+from .profiles import FLEET_DEVICE, fleet_inventory, fleet_key, load_profile, lock_profiles, save_profile
 from .schema import Profile as ProfileRow
 from .schema import Telemetry
-from .selector import current_config
-from .state import load_snapshot
 from .telemetry import StepTelemetry, parse_telemetry
 from .tracker import fit_profile
-
-PROFILE_FIT_LOCK = 0x7065_6172_6C01  # advisory lock key: one refit at a time
 
 
 @dataclass(frozen=True)
@@ -71,28 +72,46 @@ def ingest_telemetry(
 
 def ingest_in(session: Session, telemetry: StepTelemetry, *, makespan_s: float | None = None) -> IngestResult:
     """`ingest_telemetry` inside the caller's transaction."""
-    session.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": PROFILE_FIT_LOCK})
+    lock_profiles(session)
     existing = session.scalars(select(Telemetry).where(Telemetry.step == telemetry.step)).first()
     if existing is not None:
         return _already(session, existing, telemetry)
     inventory = fleet_inventory(session)
     key = fleet_key(inventory)
-    current = load_profile(session, key, inventory.workload)
+    current = load_profile(session, key, inventory.workload, first_step=telemetry)
     row = Telemetry(step=telemetry.step, body=telemetry.model_dump(mode="json"))
     session.add(row)
     session.flush()
-    based_on = current.row_id if current.row_id is not None else current.measured_id
+    based_on = current.measured_id if current.measured_id is not None else current.row_id
     if based_on is None:
-        based_on = save_profile(session, current.profile)  # the computed catalog prior starts the chain
-    config = current_config(load_snapshot(session)) if makespan_s is not None else None
+        based_on = save_profile(session, current.profile)  # the computed prior starts the chain
+    config, unknown = step_config(telemetry) if makespan_s is not None else (None, None)
     fitted = fit_profile(
         current.profile, telemetry, makespan_s=makespan_s if config else None, config=config, device=FLEET_DEVICE
     )
     profile_id = save_profile(session, fitted, based_on=based_on, telemetry_id=row.id)
     fit = dict(fitted.fit)
-    if makespan_s is not None and config is None:
-        fit["makespan_ignored"] = "no worker is active: the configuration the makespan was measured on is unknown"
+    if unknown:
+        fit["makespan_ignored"] = unknown
     return IngestResult("ingested", telemetry.step, row.id, profile_id, based_on, fitted.symbols(), fit)
+
+
+def step_config(telemetry: StepTelemetry) -> tuple[Config | None, str | None]:
+    """The configuration the step ran on, from its own iteration records, or None and why not."""
+    if not telemetry.iterations:
+        return None, "the step has no `iterations` records: the configuration its makespan was measured on is unknown"
+    roles: dict[str, set[Role]] = {}
+    for it in telemetry.iterations:
+        roles.setdefault(str(it.worker), set()).add(it.role)
+    if any(len(r) != 1 or not r <= set(ROLLOUT_ROLES) for r in roles.values()):
+        return None, "a worker of the step's `iterations` served in several roles (or none of the rollout roles)"
+    counts: dict[Role, int] = {}
+    for (role,) in roles.values():
+        counts[role] = counts.get(role, 0) + 1
+    config = Config.from_counts(counts)
+    if config is None:
+        return None, f"the step's `iterations` mix roles that form no configuration ({sorted(map(str, counts))})"
+    return config, None
 
 
 def _already(session: Session, existing: Telemetry, telemetry: StepTelemetry) -> IngestResult:

@@ -44,6 +44,7 @@ def test_a_cpu_measurement_is_stored_under_its_own_key(pearlctl: Callable, datab
     out = json.loads(done.stdout)
     assert out["key"] == {"model": "qwen3-8b", "gpu": "cpu", "tp": 1, "device": "cpu"} and out["scaled"] is True
     assert "scaled-down shape" in out["note"] and out["shape"]["hidden"] == 123
+    assert "kept as history and never planned with" in out["note"]
     assert out["symbols"]["A"] > 0 and out["symbols"]["t_p"] > 0 and out["symbols"]["b"] >= 0
     assert sorted(int(n) for n in out["decode_s"]) == [1, 2, 4] and out["extrapolated"][0] == 8
     row = stored(database_url, ProfileKey("qwen3-8b", "cpu", 1, "cpu"))

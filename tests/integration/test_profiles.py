@@ -72,14 +72,55 @@ def test_a_fitted_row_wins_and_history_is_kept(db_session: Session) -> None:
     first = profiles.save_profile(db_session, prior)
     fitted = replace(prior, key=FLEET, provenance=Provenance.FITTED, steps_observed=1, t_over_s=0.25)
     second = profiles.save_profile(db_session, fitted, based_on=first)
-    measured = profiles.save_measured(db_session, FLEET, engine_scaled(2.0), {})  # newer, but not fitted
     loaded = profiles.load_profile(db_session, FLEET, None)  # a fitted profile needs no workload block
-    assert loaded.row_id == second and loaded.provenance is Provenance.FITTED
+    assert loaded.row_id == second and loaded.provenance is Provenance.FITTED and loaded.measured_id is None
     assert loaded.profile == fitted and loaded.profile.t_over_s == 0.25
-    assert [r.id for r in profiles.history(db_session, FLEET)] == [measured, second]
-    assert profiles.current_row(db_session, FLEET).id == measured
+    # a measurement newer than the engine the chain started from: the fitted workload on the measured engine
+    measured = profiles.save_measured(db_session, FLEET, engine_scaled(2.0), {})
+    rebased = profiles.load_profile(db_session, FLEET, None)
+    assert (rebased.row_id, rebased.measured_id, rebased.provenance) == (second, measured, Provenance.FITTED)
+    assert rebased.profile.engine == engine_scaled(2.0)
+    assert rebased.profile == replace(fitted, engine=engine_scaled(2.0))  # workload, T_over, steps kept
+    assert f"row {second}, engine from measured row {measured}" in rebased.describe()
+    # once a fit is based on that measurement, the chain starts there: the fit is used as it is
+    refit = replace(rebased.profile, steps_observed=2)
+    third = profiles.save_profile(db_session, refit, based_on=measured)
+    again = profiles.load_profile(db_session, FLEET, None)
+    assert (again.row_id, again.measured_id, again.profile) == (third, None, refit)
+    assert [r.id for r in profiles.history(db_session, FLEET)] == [third, measured, second]
+    assert profiles.current_row(db_session, FLEET).id == third
     summary = profiles.row_summary(db_session.get(ProfileRow, second))
     assert summary["provenance"] == "fitted" and summary["based_on"] == first and summary["steps_observed"] == 1
+
+
+def test_only_a_newer_measurement_of_the_same_key_rebases_a_fit(db_session: Session) -> None:
+    older = profiles.save_measured(db_session, FLEET, engine_scaled(2.0), {})
+    prior = profiles.load_profile(db_session, FLEET, WORKLOAD).profile
+    fitted = replace(prior, provenance=Provenance.FITTED, steps_observed=1)
+    row = profiles.save_profile(db_session, fitted, based_on=older)
+    # later measurements on another device, another tp: never applied to the fleet
+    profiles.save_measured(db_session, replace(FLEET, device="cpu"), engine_scaled(5.0), {})
+    profiles.save_measured(db_session, replace(FLEET, tp=1), engine_scaled(5.0), {})
+    loaded = profiles.load_profile(db_session, FLEET, WORKLOAD)
+    assert (loaded.row_id, loaded.measured_id) == (row, None) and loaded.profile.engine == engine_scaled(2.0)
+
+
+def test_a_scaled_measurement_is_never_planned_with(db_session: Session) -> None:
+    full = profiles.save_measured(db_session, FLEET, engine_scaled(2.0), {"scaled": False})
+    profiles.save_measured(db_session, FLEET, engine_scaled(0.1), {"scaled": True, "spec": {"scale": 0.5}})
+    loaded = profiles.load_profile(db_session, FLEET, WORKLOAD)
+    assert loaded.measured_id == full and loaded.profile.engine == engine_scaled(2.0)
+    fitted = profiles.save_profile(db_session, replace(loaded.profile, provenance=Provenance.FITTED), based_on=full)
+    profiles.save_measured(db_session, FLEET, engine_scaled(0.2), {"scaled": True})  # newer, but scaled
+    assert profiles.load_profile(db_session, FLEET, WORKLOAD).measured_id is None
+    assert profiles.load_profile(db_session, FLEET, WORKLOAD).row_id == fitted
+
+
+def test_only_scaled_measurements_leave_the_catalog_prior(db_session: Session) -> None:
+    scaled = profiles.save_measured(db_session, FLEET, engine_scaled(0.1), {"scaled": True})
+    loaded = profiles.load_profile(db_session, FLEET, WORKLOAD)
+    assert loaded.provenance is Provenance.CATALOG and loaded.measured_id is None
+    assert profiles.current_row(db_session, FLEET).id == scaled  # kept as history
 
 
 def test_a_damaged_row_is_refused_naming_the_field(db_session: Session) -> None:

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from pearl.controlplane import profiles
+from pearl.controlplane import planning, profiles
 from pearl.controlplane.db import transaction
 from pearl.controlplane.domain import Role
 from pearl.controlplane.errors import BadInput
@@ -80,22 +81,71 @@ def test_the_same_step_again_is_a_no_op_and_different_content_is_refused(fleet_e
     assert counts(fleet_engine) == before
 
 
-def test_a_known_makespan_refits_t_over_against_the_running_configuration(fleet_engine: Engine) -> None:
-    idle = ingest_telemetry(fleet_engine, parse_telemetry(telemetry(0)), makespan_s=400.0)
-    assert "makespan_ignored" in idle.fit and idle.symbols["T_over"] == 0.0
+def iterations(*workers: tuple[int | str, str]) -> list[dict]:
+    """Decode iteration records of the given (worker, role)s, three each."""
+    return [{"worker": w, "role": role, "batch": 4, "context_tokens_mean": 8000.0, "prefill_tokens": 0,
+             "seconds": 0.0125} for w, role in workers for _ in range(3)]
+
+
+def test_a_known_makespan_refits_t_over_against_the_configuration_the_step_ran_on(fleet_engine: Engine) -> None:
+    bare = ingest_telemetry(fleet_engine, parse_telemetry(telemetry(0)), makespan_s=400.0)
+    assert "no `iterations`" in bare.fit["makespan_ignored"] and bare.symbols["T_over"] == 0.0
+    # the fleet runs one colocated worker now, but the step ran on 1P2D: the step's own records decide
     with transaction(fleet_engine, actor="test") as session:
         start_worker(session, 3, Role.COLOCATED)
         admit_worker(session, 3)
-    busy = ingest_telemetry(fleet_engine, parse_telemetry(telemetry(1)), makespan_s=5000.0)
-    assert busy.fit["config"] == "colocated" and busy.fit["makespan_s"] == 5000.0
+    body = {**telemetry(1), "iterations": iterations((1, "prefill"), (2, "decode"), ("w3", "decode"))}
+    busy = ingest_telemetry(fleet_engine, parse_telemetry(body), makespan_s=5000.0)
+    assert busy.fit["config"] == "1P2D" and busy.fit["makespan_s"] == 5000.0 and "makespan_ignored" not in busy.fit
     assert busy.symbols["T_over"] > 0  # a step far slower than predicted: the per-turn overhead absorbs it
 
 
-def test_without_a_workload_block_telemetry_cannot_start_a_profile(db_engine: Engine) -> None:
+@pytest.mark.parametrize(("records", "why"), [
+    (((1, "prefill"), (1, "decode"), (2, "decode")), "several roles"),
+    (((1, "colocated"), (2, "decode"), (3, "prefill")), "form no configuration"),
+    (((1, "prefill"), (2, "prefill")), "form no configuration"),
+], ids=["worker-in-two-roles", "colocated-beside-split", "split-missing-decode"])
+def test_a_makespan_over_mixed_roles_is_not_fitted(fleet_engine: Engine, records: tuple, why: str) -> None:
+    body = {**telemetry(0), "iterations": iterations(*records)}
+    result = ingest_telemetry(fleet_engine, parse_telemetry(body), makespan_s=400.0)
+    assert why in result.fit["makespan_ignored"] and "config" not in result.fit
+    assert result.symbols["T_over"] == 0.0
+
+
+def test_without_a_workload_block_the_first_step_is_the_prior(db_engine: Engine) -> None:
     import_cluster(db_engine, small_inventory(workload=False))
-    with pytest.raises(profiles.NoWorkload, match="workload"):
-        ingest_telemetry(db_engine, parse_telemetry(telemetry(0)))
-    assert counts(db_engine) == (0, 0)
+    step0 = parse_telemetry(telemetry(0))
+    first = ingest_telemetry(db_engine, step0)
+    second = ingest_telemetry(db_engine, parse_telemetry(telemetry(1)))
+    assert (first.outcome, second.outcome) == ("ingested", "ingested") and counts(db_engine) == (2, 3)
+    with transaction(db_engine) as session:
+        prior = session.get(ProfileRow, first.based_on)
+        loaded = profiles.load_profile(session, FLEET, None)
+    # the step's own trajectories are the prior's workload, on the catalog engine of the fleet's key
+    assert (prior.provenance.value, prior.device, prior.params["batch_size"]) == ("catalog", "catalog", 64)
+    longest = max(t.prompt_tokens + sum(t.gen_tokens) + sum(t.obs_tokens) for t in step0.trajectories)
+    assert prior.params["max_context_tokens"] == longest
+    assert max(prior.params["workload"]["turns"]) == max(t.turns for t in step0.trajectories)
+    assert loaded.row_id == second.profile_id and loaded.profile.steps_observed == 2
+    # and the fleet can plan now, from the fitted profile
+    planned = planning.plan(db_engine, dry_run=True)
+    assert planned.profile.row_id == second.profile_id and planned.target.members
+
+
+def test_a_newer_measurement_rebases_the_fit_chain(fleet_engine: Engine) -> None:
+    first = ingest_telemetry(fleet_engine, parse_telemetry(telemetry(0)))
+    with transaction(fleet_engine) as session:
+        engine = profiles.load_profile(session, FLEET, None).profile.engine
+        slower = replace(engine, decode_base_s=tuple(3 * x for x in engine.decode_base_s))
+        measured = profiles.save_measured(session, FLEET, slower, {"device_name": "test", "scaled": False})
+    second = ingest_telemetry(fleet_engine, parse_telemetry(telemetry(1)))
+    third = ingest_telemetry(fleet_engine, parse_telemetry(telemetry(2)))
+    assert second.based_on == measured and third.based_on == second.profile_id
+    with transaction(fleet_engine) as session:
+        loaded = profiles.load_profile(session, FLEET, None)
+    assert loaded.row_id == third.profile_id and loaded.measured_id is None
+    assert loaded.profile.engine.decode_base_s == slower.decode_base_s  # no iterations: the engine is kept
+    assert loaded.profile.steps_observed == 3 and first.profile_id < measured
 
 
 # -- the command ---------------------------------------------------------------------------------------
@@ -151,3 +201,18 @@ def test_event_telemetry_ingests_a_step_and_reports_it(pearlctl: Callable, datab
     refused = pearlctl("event", "telemetry", str(path), "--makespan-s", "nan")
     assert refused.returncode == 2 and "--makespan-s" in refused.stderr
     assert _rows(database_url) == (1, 2)
+
+
+def test_a_fleet_without_a_workload_block_plans_once_telemetry_arrives(pearlctl: Callable, tmp_path: Path) -> None:
+    inventory = write_inventory(tmp_path / "inv.yaml", small_inventory(workload=False))
+    assert pearlctl("cluster", "import", str(inventory)).returncode == 0
+    refused = pearlctl("plan", "--dry-run")
+    assert refused.returncode == 2 and "workload: the inventory has no `workload` block" in refused.stderr
+    path = tmp_path / "step0.json"
+    path.write_text(json.dumps(telemetry(0)))
+    done = pearlctl("event", "telemetry", str(path), "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["outcome"] == "ingested"
+    planned = pearlctl("plan", "--dry-run", "--json")
+    assert planned.returncode == 0, planned.stderr
+    assert json.loads(planned.stdout)["profile"]["provenance"] == "fitted"
