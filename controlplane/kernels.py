@@ -158,9 +158,10 @@ def layer_shape(model: ModelSpec, tp: int, scale: float, dtype: str) -> LayerSha
     """One TP rank's layer at `scale` (head_dim kept, at least one KV head, q heads a multiple of it)."""
     if model.q_heads % tp or model.kv_heads % tp and tp % model.kv_heads:
         raise BadInput(f"--tp: {tp} does not divide the heads of {model.name} ({model.q_heads} q, {model.kv_heads} kv)")
-    kv = max(1, round(max(1, model.kv_heads // tp) * scale))
-    group = max(1, model.q_heads // model.kv_heads)
-    q = kv * group
+    # a rank keeps q_heads / tp query heads and ceil(kv_heads / tp) KV heads (replicated when tp > kv_heads)
+    q_rank, kv_rank = model.q_heads // tp, -(-model.kv_heads // tp)
+    kv = max(1, round(kv_rank * scale))
+    q = kv * max(1, q_rank // kv_rank)
     hidden = max(64, int(round(model.hidden * scale)))
     ffn = max(64, int(round(ffn_width(model) * scale / tp)))
     return LayerShape(hidden, q, kv, model.head_dim, ffn, model.layers, dtype)
@@ -210,7 +211,8 @@ def measure(model: ModelSpec, spec: MeasureSpec, perf: PerfModel | None = None,
     base += [base[-1] + slope * (n - batches[-1]) for n in extra]
     t_p0 = max(1e-12, prefill[0] / spec.chunk_tokens)
     t_pc = max(0.0, (prefill[1] / spec.chunk_tokens - t_p0) / c1)
-    kv = _kv_figures(torch, shape, spec, dev, perf, timed_copy=lambda nbytes: _copy_seconds(torch, dev, nbytes, sync))
+    kv = _kv_figures(torch, shape, spec, dev, perf, kv_shards=min(spec.tp, model.kv_heads),
+                     timed_copy=lambda nbytes: _copy_seconds(torch, dev, nbytes, sync))
     engine = EngineProfile(
         decode_batches=DECODE_BATCHES, decode_base_s=tuple(base), decode_s_per_ctx_token=b_ctx,
         prefill_s_per_token=t_p0, prefill_s_per_token_per_ctx=t_pc, **kv,
@@ -221,7 +223,9 @@ def measure(model: ModelSpec, spec: MeasureSpec, perf: PerfModel | None = None,
 
 
 def _kv_figures(torch: Any, shape: LayerShape, spec: MeasureSpec, dev: Any, perf: PerfModel | None,
-                timed_copy: Callable[[int], float]) -> dict[str, Any]:
+                kv_shards: int, timed_copy: Callable[[int], float]) -> dict[str, Any]:
+    """KV bytes per token, link and capacity of one worker; `kv_shards` = min(tp, kv_heads): the
+    ranks whose KV heads differ (past kv_heads the ranks hold replicas)."""
     if perf is not None and spec.scale == 1:
         setup = perf.kv_transfer_time(0)
         return {
@@ -230,7 +234,9 @@ def _kv_figures(torch: Any, shape: LayerShape, spec: MeasureSpec, dev: Any, perf
             "kv_setup_s": setup,
             "kv_capacity_tokens": perf.kv_capacity_tokens,
         }
-    per_token = shape.kv_bytes_per_token * spec.tp
+    # K and V move once per distinct KV head; every rank stores its own heads, replicas included
+    per_token = shape.kv_bytes_per_token * kv_shards
+    stored = shape.kv_bytes_per_token * spec.tp
     nbytes = 64 << 20
     setup = timed_copy(4096)
     bandwidth = nbytes / max(1e-9, timed_copy(nbytes) - setup)
@@ -240,7 +246,7 @@ def _kv_figures(torch: Any, shape: LayerShape, spec: MeasureSpec, dev: Any, perf
     else:
         memory = 0.5 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return {"kv_bytes_per_token": per_token, "kv_bandwidth_bps": bandwidth, "kv_setup_s": setup,
-            "kv_capacity_tokens": int(memory / per_token)}
+            "kv_capacity_tokens": int(memory / stored)}
 
 
 def _copy_seconds(torch: Any, dev: Any, nbytes: int, sync: Callable[[], None]) -> float:

@@ -109,3 +109,27 @@ def test_the_full_shape_on_a_gpu(pearlctl: Callable, database_url: str) -> None:
     # a real GPU lands within a few x of the calibrated model (the device may not be an H800)
     assert 0.2 < engine.decode_base_s[0] / perf.decode_step_time(1, 0.0) < 5
     assert engine.kv_capacity_tokens == perf.kv_capacity_tokens  # KV figures from the catalog on a catalog GPU
+
+
+def test_past_the_kv_heads_a_rank_times_its_own_query_heads_and_one_kv_head() -> None:
+    from pearl.controlplane.catalog import default_catalog
+    from pearl.controlplane.kernels import layer_shape
+
+    moe = default_catalog().model("qwen3-30b-a3b")  # 32 query heads, 4 KV heads
+    shapes = {tp: layer_shape(moe, tp, 1.0, "bfloat16") for tp in (2, 4, 8)}
+    assert {tp: (s.q_heads, s.kv_heads) for tp, s in shapes.items()} == {2: (16, 2), 4: (8, 1), 8: (4, 1)}
+    assert all(s.q_heads * tp == moe.q_heads for tp, s in shapes.items())  # the ranks together: the model's
+
+
+def test_a_cpu_measurement_counts_replicated_kv_heads_once() -> None:
+    pytest.importorskip("torch")
+    from pearl.controlplane.catalog import default_catalog
+    from pearl.controlplane.kernels import MeasureSpec, measure
+
+    moe = default_catalog().model("qwen3-30b-a3b")
+    spec = MeasureSpec(device="cpu", scale=1.0, tp=8, max_batch=2, context_tokens=32, chunk_tokens=16, repeats=1)
+    result = measure(moe, spec)
+    assert (result.shape.q_heads, result.shape.kv_heads) == (4, 1)
+    # 8 ranks hold 4 distinct KV heads (each twice): K and V of a token are the model's 4 heads' bytes
+    assert result.engine.kv_bytes_per_token == 4 * result.shape.kv_bytes_per_token
+    assert result.engine.kv_bytes_per_token == 2 * moe.kv_bytes_per_token  # float32 on the CPU: twice bf16
