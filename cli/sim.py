@@ -123,14 +123,34 @@ def compare(scenario: ScenarioOpt, set_: SetOpt = None, json_: JsonOpt = False, 
     if data.get("ablations"):
         _show(_table(f"{sc.name}: ablations", data["ablations"], ratios=True))
     bound = data["checks"].get("oracle_upper_bound")
-    if bound is not None and bound["ok"]:
-        out.print("[green]check: oracle >= every other system[/]")
-    elif bound is not None:
-        beaten = ", ".join(f"{v['system']} ({v['tokens_per_s']:,.0f} tok/s)" for v in bound["violations"])
-        out.print(f"[bold red]CHECK FAILED: the oracle ({bound['violations'][0]['oracle_tokens_per_s']:,.0f} tok/s) "
-                  f"is below {beaten}[/]")
+    if bound is not None:
+        for line in _bound_lines(bound):
+            out.print(line)
     if plot is not None:
         err.print(f"wrote {plot}")
+
+
+def _bound_lines(bound: dict) -> list[str]:
+    """The oracle check in words: passed (with the worst step margin), or what beat the oracle."""
+    steps = bound["step_ends"]
+    worst = steps["worst"]
+    margin = (f"; worst step margin {worst['margin']:+.2%} ({worst['system']}, training step {worst['step']})"
+              if worst is not None else "")
+    if bound["ok"]:
+        return [f"[green]check: oracle >= every other system, and no training step ends more than "
+                f"{steps['tolerance']:.0%} later{margin}[/]"]
+    lines = []
+    if bound["violations"]:
+        beaten = ", ".join(f"{v['system']} ({v['tokens_per_s']:,.0f} tok/s)" for v in bound["violations"])
+        lines.append(f"[bold red]CHECK FAILED: the oracle ({bound['violations'][0]['oracle_tokens_per_s']:,.0f} "
+                     f"tok/s) is below {beaten}[/]")
+    if steps["violations"]:
+        late = ", ".join(f"step {v['step']} vs {v['system']} ({v['oracle_end_s']:,.0f} s > {v['end_s']:,.0f} s)"
+                         for v in steps["violations"][:5])
+        more = len(steps["violations"]) - 5
+        lines.append(f"[bold red]CHECK FAILED: the oracle ends training steps more than {steps['tolerance']:.0%} "
+                     f"later: {late}{f' and {more} more' if more > 0 else ''}[/]")
+    return lines
 
 
 @sim_app.command("ratio")

@@ -11,7 +11,7 @@ from pearl.controlplane.domain import Activity, Mode, Role, WorkerZone
 from pearl.controlplane.fleet import FleetSnapshot, WorkerSlot
 from pearl.policies.base import Signals
 from pearl.sim.experiments import Comparison, compare
-from pearl.sim.metrics import Result
+from pearl.sim.metrics import Result, Timeline
 from pearl.sim.oracle import FREE, Choice, OraclePolicy, _Playable, candidates, run_oracle, search
 from pearl.sim.runner import Simulation
 from pearl.sim.scenario import load_scenario
@@ -97,17 +97,38 @@ def test_an_oracle_run_is_deterministic():
 def test_the_oracle_bounds_every_other_system_on_a_small_scenario():
     comparison = compare(load_scenario("paper-qwen3-30b-a3b-seg2", SMALL))
     systems = comparison.systems
-    assert comparison.checks() == {"oracle_upper_bound": {"ok": True, "violations": []}}
+    bound = comparison.checks()["oracle_upper_bound"]
+    assert bound["ok"] and bound["violations"] == [] and bound["step_ends"]["violations"] == []
+    assert bound["step_ends"]["worst"] is not None
     assert all(systems["oracle"].tokens_per_s >= r.tokens_per_s for r in systems.values())
     assert systems["oracle"].mean_step_makespan_s <= systems["pearl"].mean_step_makespan_s
     assert systems["pearl"].tokens_per_s > systems["rlboost-plus"].tokens_per_s > systems["roll"].tokens_per_s
 
 
-def _result(name: str, tokens_per_s: float) -> Result:
+def _result(name: str, tokens_per_s: float, training_ends: tuple[float, ...] = ()) -> Result:
+    timeline = Timeline(1000.0)
+    for t in training_ends:
+        timeline.trained(t)
     return Result(scenario="s", policy=name, tokens_per_s=tokens_per_s, rollout_steps=3, training_steps=3,
                   gpu_seconds=1.0, reconfigurations=0, plans=0, late_returns=0, lateness_s=0.0, forced_releases=0,
                   cancelled_groups=0, interrupted_requests=0, retracted_requests=0, mean_step_makespan_s=1.0,
-                  events=1, wall_s=0.0)
+                  events=1, wall_s=0.0, timeline=timeline)
+
+
+def test_the_bound_is_checked_step_by_step_within_a_tolerance():
+    oracle = _result("oracle", 5.0, (100.0, 203.0, 300.0))
+    systems = {"roll": _result("roll", 1.0, (150.0, 300.0)),
+               "pearl": _result("pearl", 5.0, (100.0, 200.0, 305.0, 400.0))}
+    steps = Comparison("s", {**systems, "oracle": oracle}).checks()["oracle_upper_bound"]
+    # the same tokens, and step 1 ends 1.5% after pearl's: the metric alone would not see it
+    assert not steps["ok"] and steps["violations"] == []
+    assert steps["step_ends"]["violations"] == [
+        {"system": "pearl", "step": 1, "oracle_end_s": 203.0, "end_s": 200.0, "margin": -0.015}]
+    assert steps["step_ends"]["worst"]["margin"] == -0.015 and steps["step_ends"]["tolerance"] == 0.01
+    within = Comparison("s", {**systems, "oracle": _result("oracle", 5.0, (100.0, 201.0, 300.0))}).checks()
+    bound = within["oracle_upper_bound"]
+    assert bound["ok"] and bound["step_ends"]["worst"] == {
+        "system": "pearl", "step": 1, "oracle_end_s": 201.0, "end_s": 200.0, "margin": -0.005}
 
 
 def test_a_violated_bound_is_reported_in_the_json_and_in_red(monkeypatch):
