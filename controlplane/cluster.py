@@ -45,14 +45,14 @@ def _slot_shape(zone: NodeZone) -> tuple[WorkerZone, Role]:
 
 def _refuse_replace_while_busy(session: Session) -> None:
     busy_workers = session.scalar(select(func.count()).select_from(Worker).where(Worker.activity != Activity.INACTIVE))
-    busy_gpus = session.scalar(
-        select(func.count()).select_from(GPU).where(GPU.state.not_in([GPUState.FREE, GPUState.UNAVAILABLE]))
-    )
+    # a lost or revoked GPU runs nothing: it does not keep an inventory from being replaced
+    idle = [GPUState.FREE, GPUState.UNAVAILABLE, GPUState.LOST, GPUState.REVOKED]
+    busy_gpus = session.scalar(select(func.count()).select_from(GPU).where(GPU.state.not_in(idle)))
     applying = session.scalar(select(func.count()).select_from(Plan).where(Plan.status == PlanStatus.APPLYING))
     if busy_workers or busy_gpus or applying:
         raise ClusterBusy(
             f"cannot replace the inventory: {busy_workers} worker(s) not inactive, {busy_gpus} GPU(s) "
-            f"not free or unavailable, {applying} plan(s) applying"
+            f"in use (not free, unavailable, lost or revoked), {applying} plan(s) applying"
         )
 
 

@@ -97,8 +97,24 @@ def test_replace_is_refused_while_a_worker_serves(pearlctl, database_url: str) -
     before = counts(database_url)
     refused = pearlctl("cluster", "import", str(PAPER), "--replace")
     assert refused.returncode == 1
-    assert "1 worker(s) not inactive, 1 GPU(s) not free or unavailable" in refused.stderr
+    assert "1 worker(s) not inactive, 1 GPU(s) in use (not free, unavailable, lost or revoked)" in refused.stderr
     assert counts(database_url) == before
+
+
+def test_lost_and_revoked_gpus_do_not_block_a_replace(pearlctl, database_url: str) -> None:
+    assert pearlctl("init").returncode == 0
+    assert pearlctl("cluster", "import", str(SMALL)).returncode == 0
+    engine = create_engine(database_url, poolclass=NullPool)
+    with engine.begin() as conn:  # one rollout GPU failed; one granted preemptible GPU was taken back
+        conn.execute(text("UPDATE gpus SET state = 'lost' "
+                          "WHERE id = (SELECT min(id) FROM gpus WHERE zone = 'rollout')"))
+        spot = conn.execute(text("SELECT min(id) FROM gpus WHERE zone = 'preemptible'")).scalar_one()
+        conn.execute(text("UPDATE gpus SET state = 'free' WHERE id = :g"), {"g": spot})
+        conn.execute(text("UPDATE gpus SET state = 'revoked' WHERE id = :g"), {"g": spot})
+    engine.dispose()
+    replaced = pearlctl("cluster", "import", str(PAPER), "--replace", "--json")
+    assert replaced.returncode == 0, replaced.stderr
+    assert json.loads(replaced.stdout)["outcome"] == "replaced"
 
 
 BAD_INVENTORIES = [
