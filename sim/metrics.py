@@ -59,18 +59,30 @@ class Result:
     cancelled_groups: int  # expansion groups cancelled (all-or-nothing)
     interrupted_requests: int  # turns interrupted and resubmitted with their partial progress
     retracted_requests: int  # turns a decode worker out of KV sent back to be prefilled again
-    mean_step_makespan_s: float
+    mean_step_makespan_s: float  # over this run's rollout steps (see `common_mean_makespans` to compare runs)
     events: int
     wall_s: float
     timeline: Timeline | None = None
+    step_makespans_s: tuple[float, ...] = ()  # each rollout step's makespan, in order
 
     def as_dict(self) -> dict[str, Any]:
-        """The `--json` keys (design.md) and the extra ones; the timeline is for plots only."""
+        """The `--json` keys (design.md) and the extra ones; the timeline and the per-step makespans are
+        for plots and comparisons only."""
         out: dict[str, Any] = {}
         for key, value in self.__dict__.items():
-            if key == "timeline":
+            if key in ("timeline", "step_makespans_s"):
                 continue
             out[key] = round(value, 3) if isinstance(value, float) and math.isfinite(value) else value
             if isinstance(value, float) and not math.isfinite(value):
                 out[key] = None
         return out
+
+
+def common_mean_makespans(a: Result, b: Result) -> tuple[float, float]:
+    """The mean rollout-step makespans of `a` and `b` over the steps both completed, their first
+    min(n_a, n_b): every system rolls out the same seeded batches, so these means compare like with
+    like, where each run's own mean may cover batches the other never reached (NaN when none)."""
+    n = min(len(a.step_makespans_s), len(b.step_makespans_s))
+    if n == 0:
+        return math.nan, math.nan
+    return sum(a.step_makespans_s[:n]) / n, sum(b.step_makespans_s[:n]) / n

@@ -502,7 +502,7 @@ class Simulation:
             cancelled_groups=self.executor.cancelled_groups, interrupted_requests=self.interrupted,
             retracted_requests=self.retracted,
             mean_step_makespan_s=(sum(self.makespans) / len(self.makespans)) if self.makespans else math.nan,
-            events=events, wall_s=wall_s, timeline=self.timeline,
+            events=events, wall_s=wall_s, timeline=self.timeline, step_makespans_s=tuple(self.makespans),
         )
 
 
