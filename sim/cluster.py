@@ -12,9 +12,7 @@ from pearl.controlplane.domain import Activity, NodeZone, Role, WorkerZone
 from pearl.controlplane.fleet import FleetSnapshot, WorkerSlot
 
 from .engine import Engine
-from .scenario import Scenario
-
-GPUS_PER_NODE = 8
+from .scenario import GPUS_PER_NODE, Scenario
 
 
 class Worker:

@@ -17,6 +17,7 @@ from pearl.controlplane.workload import Workload
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 SHIPPED_DIR = Path(__file__).parent  # scenarios/, traces/, inventories/ shipped with pearl
+GPUS_PER_NODE = 8  # the simulated cluster's nodes; a worker's tp GPUs are on one node
 
 
 class _Strict(BaseModel):
@@ -82,6 +83,9 @@ class Scenario(_Strict):
 
     @model_validator(mode="after")
     def _whole_workers(self) -> Scenario:
+        if self.tp > GPUS_PER_NODE:
+            raise ValueError(f"tp ({self.tp}) must be at most {GPUS_PER_NODE}: a worker's GPUs are on one node "
+                             f"of {GPUS_PER_NODE}")
         for key, n in (("cluster.training_gpus", self.cluster.training_gpus),
                        ("cluster.reserved_rollout_gpus", self.cluster.reserved_rollout_gpus)):
             if n % self.tp:

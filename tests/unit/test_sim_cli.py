@@ -103,6 +103,13 @@ def test_bad_input_exits_2_naming_the_field(cli, args, needle, tmp_path):
     assert res.stdout == ""
 
 
+def test_tp_above_a_node_exits_2_naming_tp(cli):
+    # 16 training and 16 rollout GPUs are whole workers of tp=16, but a worker does not span nodes of 8
+    res = cli("sim", "run", "--scenario", "ablation-qwen3-8b-dedicated16", "--policy", "roll", "--set", "tp=16")
+    assert res.exit_code == 2 and res.stdout == ""
+    assert "tp (16) must be at most 8" in res.stderr
+
+
 def test_a_missing_scenario_exits_2(cli, tmp_path):
     res = cli("sim", "compare", "--scenario", str(tmp_path / "none.yaml"))
     assert res.exit_code == 2 and "--scenario" in res.stderr
