@@ -11,8 +11,9 @@ to run the same work in T_new instead of T_cur saves
     gain = (1 - T_new / T_cur) * W.
 Switching stalls the rollout for
     ratio change (N_P -> N_P', same N): k = |N_P' - N_P| workers flip in place, each out of service
-        for role_switch_s + admit_s; the other N - k keep serving, so the step is delayed by about
-        k * (role_switch_s + admit_s) / N  (lost worker-seconds spread over the fleet);
+        for role_switch_s (a flipped server keeps its process and weights and only re-registers
+        with the router: no group admission, no admit_s); the other N - k keep serving, so the step
+        is delayed by about k * role_switch_s / N  (lost worker-seconds spread over the fleet);
     mode change (colocated <-> split): every worker restarts (drain, interrupt keeping partial
         trajectories, release, cold start, load weights, admit as one group) and the router's
         front door changes, so nothing serves for cold_start_s + weight_sync_s + admit_s; the
@@ -106,7 +107,7 @@ def switch_cost_s(current: Config, candidate: Config, costs: SwitchCosts, refill
     if current.n_colocated:
         return 0.0
     flips = abs(candidate.n_prefill - round(current.n_prefill * candidate.workers / current.workers))
-    return flips * (costs.role_switch_s + costs.admit_s) / candidate.workers
+    return flips * costs.role_switch_s / candidate.workers
 
 
 def decide_switch(

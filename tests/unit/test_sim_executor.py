@@ -10,7 +10,9 @@ from pearl.controlplane.catalog import default_catalog
 from pearl.controlplane.domain import Activity, Role
 from pearl.controlplane.orchestrator import orchestrate
 from pearl.controlplane.perfmodel import PerfModel
+from pearl.controlplane.predictor import Config
 from pearl.policies.base import colocated, split
+from pearl.policies.switching import SwitchCosts, switch_cost_s
 from pearl.sim.cluster import Cluster
 from pearl.sim.engine import Engine, EngineTiming, Request
 from pearl.sim.executor import Executor
@@ -136,6 +138,20 @@ def test_a_flip_waits_for_the_drained_server_to_go_idle():
     b.advance()
     assert b.when("admitted", decode)[-1] == pytest.approx(start + 5.0 + 8.0)
     assert b.workers[decode].role is Role.PREFILL
+
+
+def test_the_hysteresis_charges_a_ratio_change_what_the_executor_takes():
+    b = Bench()
+    b.apply(split([0, 1, 2, 3], 1, "1P3D"))
+    b.advance()
+    start = b.now
+    b.apply(split([0, 1, 2, 3], 2, "2P2D"))  # one idle decode server flips in place
+    b.advance()
+    flipped = [i for i in range(4) if len(b.when("admitted", i)) == 2]
+    out_of_service = sum(b.when("admitted", i)[-1] - start for i in flipped)
+    assert len(flipped) == 1 and out_of_service == pytest.approx(SCENARIO.reconfig.role_switch_s)
+    costs = SwitchCosts.from_reconfig(SCENARIO.reconfig, SCENARIO.training.weight_sync_s)
+    assert switch_cost_s(Config.split(1, 3), Config.split(2, 2), costs) * 4 == pytest.approx(out_of_service)
 
 
 def test_a_start_waits_for_the_release_under_way():
