@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 from pearl.cli.common import emit_json, err, handle_errors, out
+from pearl.controlplane.errors import PearlError
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -116,18 +117,20 @@ def compare(scenario: ScenarioOpt, set_: SetOpt = None, json_: JsonOpt = False, 
     if plot is not None:
         plot_comparison({**comparison.systems, **comparison.ablations}, plot)
     data = comparison.as_dict()
+    bound = data["checks"].get("oracle_upper_bound")
     if json_:
         emit_json(data)
-        return
-    _show(_table(f"{sc.name}: systems", data["systems"], ratios=True))
-    if data.get("ablations"):
-        _show(_table(f"{sc.name}: ablations", data["ablations"], ratios=True))
-    bound = data["checks"].get("oracle_upper_bound")
-    if bound is not None:
-        for line in _bound_lines(bound):
-            out.print(line)
-    if plot is not None:
-        err.print(f"wrote {plot}")
+    else:
+        _show(_table(f"{sc.name}: systems", data["systems"], ratios=True))
+        if data.get("ablations"):
+            _show(_table(f"{sc.name}: ablations", data["ablations"], ratios=True))
+        if bound is not None:
+            for line in _bound_lines(bound):
+                out.print(line)
+        if plot is not None:
+            err.print(f"wrote {plot}")
+    if bound is not None and not bound["ok"]:  # the results are printed; the failed check is the exit status
+        raise PearlError(_bound_failure(bound))
 
 
 def _bound_lines(bound: dict) -> list[str]:
@@ -151,6 +154,20 @@ def _bound_lines(bound: dict) -> list[str]:
         lines.append(f"[bold red]CHECK FAILED: the oracle ends training steps more than {steps['tolerance']:.0%} "
                      f"later: {late}{f' and {more} more' if more > 0 else ''}[/]")
     return lines
+
+
+def _bound_failure(bound: dict) -> str:
+    """One line for stderr: why `oracle_upper_bound` failed."""
+    parts = []
+    if bound["violations"]:
+        names = ", ".join(v["system"] for v in bound["violations"])
+        parts.append(f"{names} above the oracle's tokens/s")
+    steps = bound["step_ends"]
+    if steps["violations"]:
+        worst = steps["worst"]
+        parts.append(f"{len(steps['violations'])} training step ends more than {steps['tolerance']:.0%} later than "
+                     f"another system's (worst {worst['margin']:+.2%}: step {worst['step']} vs {worst['system']})")
+    return "sim compare: the oracle check (oracle_upper_bound) failed: " + "; ".join(parts)
 
 
 @sim_app.command("ratio")

@@ -154,9 +154,25 @@ def test_a_violated_bound_is_reported_in_the_json_and_in_red(monkeypatch):
     monkeypatch.setattr("pearl.sim.experiments.compare", lambda *a, **kw: comparison)
     runner = CliRunner()
     table = runner.invoke(app, ["sim", "compare", "--scenario", "paper-qwen3-8b-seg2", "--ablations"])
-    assert table.exit_code == 0 and "CHECK FAILED" in table.stdout and "pearl-ungated" in table.stdout
-    data = json.loads(runner.invoke(app, ["sim", "compare", "--scenario", "paper-qwen3-8b-seg2", "--json"]).stdout)
-    assert data["checks"]["oracle_upper_bound"]["ok"] is False
+    # the table is printed, then the failed check is the exit status (1), explained on stderr
+    assert table.exit_code == 1 and "CHECK FAILED" in table.stdout and "pearl-ungated" in table.stdout
+    assert "oracle check (oracle_upper_bound) failed: pearl, pearl-ungated above" in table.stderr
+    res = runner.invoke(app, ["sim", "compare", "--scenario", "paper-qwen3-8b-seg2", "--json"])
+    assert res.exit_code == 1 and "oracle_upper_bound" in res.stderr
+    assert json.loads(res.stdout)["checks"]["oracle_upper_bound"]["ok"] is False
+
+
+def test_a_step_that_ends_late_fails_sim_compare(monkeypatch):
+    systems = {n: _result(n, 5.0, (100.0, 200.0)) for n in ("roll", "rlboost-plus", "pearl")}
+    systems["oracle"] = _result("oracle", 5.0, (100.0, 210.0))
+    monkeypatch.setattr("pearl.sim.experiments.compare", lambda *a, **kw: Comparison("s", systems))
+    res = CliRunner().invoke(app, ["sim", "compare", "--scenario", "paper-qwen3-8b-seg2"])
+    assert res.exit_code == 1 and "CHECK FAILED: the oracle ends training steps more than 1% later" in res.stdout
+    assert "3 training step ends more than 1% later" in res.stderr and "worst -5.00%: step 1" in res.stderr
+    passed = {n: _result(n, 5.0, (100.0, 200.0)) for n in ("roll", "pearl", "oracle")}
+    monkeypatch.setattr("pearl.sim.experiments.compare", lambda *a, **kw: Comparison("s", passed))
+    res = CliRunner().invoke(app, ["sim", "compare", "--scenario", "paper-qwen3-8b-seg2", "--json"])
+    assert res.exit_code == 0 and json.loads(res.stdout)["checks"]["oracle_upper_bound"]["ok"] is True
 
 
 def test_the_ceiling_bounds_the_oracle_and_times_a_lone_trajectory():
