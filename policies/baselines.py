@@ -19,8 +19,14 @@ from .elasticity import dedicated_capacity
 
 
 @dataclass(frozen=True)
-class StaticColocated:
-    """`roll` and `roll-large`: every dedicated GPU of the cluster, colocated, never changed."""
+class ColocatedBaseline:
+    """`roll`, `roll-large` and `rlboost-plus`: every dedicated slot available, colocated, no borrowing.
+
+    One rule for all three; the cluster each runs on makes the difference (sim/systems.py). On a fixed
+    reserve it never changes; with preemptible GPUs it grows in the background as they are granted
+    (lazy weights, all-or-nothing admission) and drains and releases before each notice runs out,
+    keeping partial trajectories (policies/elasticity.py).
+    """
 
     name: str = "roll"
 
@@ -29,28 +35,9 @@ class StaticColocated:
 
     def decide(self, snapshot: FleetSnapshot, signals: Signals, memory: NoMemory) -> tuple[Target, NoMemory]:
         members = [w.id for w in dedicated_capacity(snapshot)]
-        return colocated(members, f"static: {len(members)} dedicated workers, colocated"), memory
-
-
-@dataclass(frozen=True)
-class ElasticColocated:
-    """`rlboost-plus`: reserved plus preemptible GPUs, colocated, no borrowing.
-
-    Grows in the background as GPUs are granted (lazy weights, all-or-nothing admission) and drains
-    and releases before each notice runs out, keeping partial trajectories (policies/elasticity.py).
-    """
-
-    name: str = "rlboost-plus"
-
-    def initial_memory(self) -> NoMemory:
-        return NoMemory()
-
-    def decide(self, snapshot: FleetSnapshot, signals: Signals, memory: NoMemory) -> tuple[Target, NoMemory]:
-        members = [w.id for w in dedicated_capacity(snapshot)]
-        leaving = sorted(signals.deadlines)
-        reason = f"elastic: {len(members)} dedicated workers, colocated"
-        if leaving:
-            reason += f"; releasing {leaving} before their notice runs out"
+        reason = f"{self.name}: {len(members)} dedicated workers, colocated"
+        if signals.deadlines:
+            reason += f"; releasing {sorted(signals.deadlines)} before their notice runs out"
         return colocated(members, reason), memory
 
 

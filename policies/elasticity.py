@@ -12,7 +12,7 @@ and admits the whole expansion group at once, all-or-nothing.
 
 from __future__ import annotations
 
-from pearl.controlplane.domain import Activity, Role, WorkerZone
+from pearl.controlplane.domain import WorkerZone
 from pearl.controlplane.fleet import FleetSnapshot, WorkerSlot
 
 
@@ -24,14 +24,3 @@ def dedicated_capacity(snapshot: FleetSnapshot) -> tuple[WorkerSlot, ...]:
 def overlap_capacity(snapshot: FleetSnapshot) -> tuple[WorkerSlot, ...]:
     """Training-GPU slots that can be borrowed now (between optimizer steps), by id."""
     return tuple(sorted(snapshot.available(WorkerZone.OVERLAP), key=lambda w: w.id))
-
-
-def must_leave(snapshot: FleetSnapshot) -> tuple[WorkerSlot, ...]:
-    """Workers up (or coming up) whose GPUs are going away: notices, or training wants them back."""
-    return tuple(w for w in snapshot.active() if not w.available)
-
-
-def split_survives(snapshot: FleetSnapshot, members: frozenset[int]) -> bool:
-    """Whether the members' current roles still form a split (at least one prefill and one decode)."""
-    roles = {w.role for w in snapshot.workers if w.id in members and w.activity is not Activity.INACTIVE}
-    return Role.PREFILL in roles and Role.DECODE in roles

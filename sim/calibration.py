@@ -29,7 +29,7 @@ import numpy as np
 from pearl.controlplane.catalog import default_catalog
 from pearl.controlplane.domain import Role
 from pearl.controlplane.perfmodel import PerfModel
-from pearl.policies.baselines import StaticColocated
+from pearl.policies.baselines import ColocatedBaseline
 
 from .engine import Engine, EngineTiming, Request
 from .runner import Simulation
@@ -117,7 +117,7 @@ def agentic_colocated(duration_s: float = 3600.0) -> dict[str, float]:
     scenario = load_scenario("paper-qwen3-30b-a3b-seg1", [
         "cluster.reserved_rollout_gpus=2", "cluster.preemptible=null", "workload.batch_size=32",
         f"duration_s={duration_s}"])
-    sim = Simulation(scenario, StaticColocated(), prefix_cache=False)
+    sim = Simulation(scenario, ColocatedBaseline(), prefix_cache=False)
     sim.run()
     engine = sim.workers[0].engine
     tp = scenario.tp

@@ -86,10 +86,6 @@ class Executor:
         self.cancelled_groups = 0
         self.durations: dict[str, float] = {}  # latest measured seconds per action kind (policies' costs)
 
-    @property
-    def in_flight(self) -> bool:
-        return bool(self.plans)
-
     # -- applying a plan -------------------------------------------------------------------------
 
     def apply(self, plan: Plan, now: float) -> PlanRun:

@@ -46,7 +46,7 @@ from pearl.controlplane.selector import Selection, candidates_for, select
 from pearl.controlplane.telemetry import StepTelemetry
 from pearl.controlplane.tracker import fit_profile
 from pearl.policies.base import Policy
-from pearl.policies.baselines import StaticColocated, StaticSplit
+from pearl.policies.baselines import ColocatedBaseline, StaticSplit
 
 from .runner import Simulation
 from .scenario import Scenario
@@ -106,7 +106,7 @@ def with_workers(scenario: Scenario, workers: int) -> Scenario:
 
 def static_policy(config: Config) -> Policy:
     if config.mode is Mode.COLOCATED:
-        return StaticColocated("static-colocated")
+        return ColocatedBaseline("static-colocated")
     return StaticSplit(config.n_prefill)
 
 

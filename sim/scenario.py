@@ -35,10 +35,6 @@ class Trace(_Strict):
         i = min(int(t // self.gap_seconds), len(self.data) - 1)
         return self.data[max(i, 0)]
 
-    def mean(self, duration_s: float, cap: int) -> float:
-        ticks = max(1, math.ceil(duration_s / self.gap_seconds))
-        return sum(min(self.gpus_at(k * self.gap_seconds), cap) for k in range(ticks)) / ticks
-
 
 class Preemptible(_Strict):
     trace: Path  # relative to the scenario file

@@ -16,7 +16,7 @@ from pearl.controlplane.catalog import default_catalog
 from pearl.controlplane.errors import BadInput
 from pearl.controlplane.perfmodel import PerfModel
 from pearl.policies.base import Policy
-from pearl.policies.baselines import ElasticColocated, StaticColocated
+from pearl.policies.baselines import ColocatedBaseline
 from pearl.policies.pearl import Borrow, PearlPolicy
 
 from .metrics import Result
@@ -66,12 +66,12 @@ SYSTEMS: dict[str, System] = {
     s.name: s
     for s in (
         System("roll", "reserved rollout GPUs only, colocated, static",
-               lambda sc: StaticColocated("roll"), without_preemptible),
+               lambda sc: ColocatedBaseline("roll"), without_preemptible),
         System("roll-large", "reserved + mean preemptible GPUs as a fixed reserve, colocated, static",
-               lambda sc: StaticColocated("roll-large"),
+               lambda sc: ColocatedBaseline("roll-large"),
                lambda sc: without_preemptible(sc, roll_large_gpus(sc))),
         System("rlboost-plus", "reserved + preemptible GPUs, elastic, colocated, no borrowing",
-               lambda sc: ElasticColocated("rlboost-plus"), _same),
+               lambda sc: ColocatedBaseline("rlboost-plus"), _same),
         System("pearl", "reserved + preemptible GPUs, adaptive PD mode and ratio, gated borrowing",
                pearl("pearl"), _same),
         System("oracle", "pearl's GPUs with hindsight and free reconfiguration: best mode, ratio, borrowing per step",

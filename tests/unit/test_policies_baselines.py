@@ -7,8 +7,8 @@ from pearl.controlplane.domain import Activity, Role, WorkerZone
 from pearl.controlplane.fleet import FleetSnapshot, WorkerSlot
 from pearl.controlplane.orchestrator import orchestrate
 from pearl.policies.base import NoMemory, Signals, colocated, split
-from pearl.policies.baselines import ElasticColocated, StaticColocated
-from pearl.policies.elasticity import dedicated_capacity, must_leave, overlap_capacity, split_survives
+from pearl.policies.baselines import ColocatedBaseline
+from pearl.policies.elasticity import dedicated_capacity, overlap_capacity
 
 pytestmark = pytest.mark.unit
 
@@ -33,7 +33,7 @@ SNAPSHOT = FleetSnapshot(1, (
 ), tp=2)
 
 
-@pytest.mark.parametrize("policy", [StaticColocated(), ElasticColocated()])
+@pytest.mark.parametrize("policy", [ColocatedBaseline("roll"), ColocatedBaseline("rlboost-plus")])
 def test_baselines_use_available_dedicated_slots_colocated_and_never_borrow(policy):
     target, memory = policy.decide(SNAPSHOT, _signals(deadlines={2: 30.0}), policy.initial_memory())
     assert memory == NoMemory()
@@ -43,19 +43,16 @@ def test_baselines_use_available_dedicated_slots_colocated_and_never_borrow(poli
     assert plan.remove == {2} and plan.add == {3}  # the noticed worker leaves, the granted one joins
 
 
-def test_elastic_reason_names_the_workers_it_releases():
-    target, _ = ElasticColocated().decide(SNAPSHOT, _signals(deadlines={2: 30.0}), NoMemory())
-    assert "[2]" in target.reason
+def test_the_reason_names_the_system_and_the_workers_it_releases():
+    target, _ = ColocatedBaseline("rlboost-plus").decide(SNAPSHOT, _signals(deadlines={2: 30.0}), NoMemory())
+    assert target.reason == "rlboost-plus: 3 dedicated workers, colocated; releasing [2] before their notice runs out"
+    target, _ = ColocatedBaseline("roll").decide(SNAPSHOT, _signals(), NoMemory())
+    assert target.reason == "roll: 3 dedicated workers, colocated"
 
 
 def test_elasticity_helpers():
     assert [w.id for w in dedicated_capacity(SNAPSHOT)] == [0, 1, 3]
     assert [w.id for w in overlap_capacity(SNAPSHOT)] == [5, 6]
-    assert [w.id for w in must_leave(SNAPSHOT)] == [2]
-    split_fleet = FleetSnapshot(1, (_slot(0, active=True, role=Role.PREFILL), _slot(1, active=True, role=Role.DECODE),
-                                    _slot(2, active=True, role=Role.DECODE)))
-    assert split_survives(split_fleet, frozenset({0, 2}))
-    assert not split_survives(split_fleet, frozenset({1, 2}))  # its only prefill worker is gone: forced switch
 
 
 def test_target_builders():
