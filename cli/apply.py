@@ -1,4 +1,5 @@
-"""`pearlctl apply [PLAN_ID | --latest] [--wait] [--json]`: enact a proposed plan (refused if stale)."""
+"""`pearlctl apply [PLAN_ID | --latest] [--wait] [--json]`: enact a proposed plan (refused if stale);
+`pearlctl apply --abort PLAN_ID`: give up an applying plan that cannot finish."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Annotated, Any
 import typer
 from pearl.controlplane.db import make_engine, require_schema, transaction
 from pearl.controlplane.errors import BadInput, StepFailed
-from pearl.controlplane.plans import apply, plan_summary, wait_plan
+from pearl.controlplane.plans import abort, apply, plan_summary, step_counts, wait_plan
 
 from .common import emit_json, err, handle_errors, out
 
@@ -17,10 +18,7 @@ def register(app: typer.Typer) -> None:
 
 
 def _step_counts(summary: dict[str, Any]) -> str:
-    counts: dict[str, int] = {}
-    for s in summary["steps"]:
-        counts[s["status"]] = counts.get(s["status"], 0) + 1
-    return ", ".join(f"{n} {status}" for status, n in sorted(counts.items()))
+    return ", ".join(f"{n} {status}" for status, n in sorted(step_counts(summary).items()))
 
 
 @handle_errors
@@ -31,8 +29,17 @@ def apply_command(
     timeout: Annotated[float, typer.Option("--timeout", min=0.0, help="Seconds --wait waits at most.")] = 600.0,
     poll: Annotated[float, typer.Option("--poll", min=0.05, help="Seconds between polls while waiting.")] = 0.5,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    abort_id: Annotated[int | None, typer.Option(
+        "--abort", metavar="PLAN_ID", min=1,
+        help="Give up an applying plan that cannot finish: mark it failed and cancel its steps not yet run.")]
+    = None,
 ) -> None:
     """Apply a proposed plan if the fleet is still at the state it was computed against."""
+    if abort_id is not None:
+        if plan_id is not None or latest or wait:
+            raise BadInput("--abort: give the plan to abort alone (no PLAN_ID, --latest or --wait)")
+        _abort(abort_id, as_json)
+        return
     if (plan_id is None) == (not latest):
         raise BadInput("PLAN_ID / --latest: give a plan id or --latest (one of them)")
     engine = make_engine()
@@ -65,3 +72,20 @@ def apply_command(
         out.print(f"plan {applied.plan_id} {summary['status']} ({_step_counts(summary)})")
     if summary["status"] == "failed":
         raise StepFailed(f"plan {applied.plan_id} failed: {summary['error']}")
+
+
+def _abort(plan_id: int, as_json: bool) -> None:
+    engine = make_engine()
+    try:
+        require_schema(engine)
+        progress = abort(engine, plan_id)
+        with transaction(engine) as session:
+            summary = plan_summary(session, plan_id)
+    finally:
+        engine.dispose()
+    if as_json:
+        emit_json({"plan": summary, "cancelled": list(progress.cancelled), "release": list(progress.release)})
+        return
+    release = ", ".join(map(str, progress.release)) or "none"
+    out.print(f"plan {plan_id} aborted ({_step_counts(summary)}); cancelled {len(progress.cancelled)} step(s); "
+              f"workers to release: {release}", highlight=False)

@@ -2,22 +2,26 @@
 
 Lifecycle of a plan (`PlanStatus`):
   proposed  --apply, fleet still at base_version-->  applying  --every step succeeded-->  succeeded
-  proposed  --apply, fleet moved on-->  stale          applying  --a step failed-->  failed
+  proposed  --apply, fleet moved on-->  stale          applying  --a step failed, or abort-->  failed
   proposed  --a newer plan is written-->  superseded
+A plan is refused when written if it could never finish: a step waiting for a key the plan does not
+have (or, through a cycle, for itself), or a step addressed to a node its worker does not live on.
 Steps (`StepStatus`): written `blocked`; on apply the steps with no dependency become `ready` (the
 NOTIFY trigger wakes their node's agent: channel `pearl_steps`, payload the node id); an agent
-claims one (`claim_steps`), runs it and reports through the fenced `finish_step`; `finish_step`
-here then unblocks the steps whose dependencies all succeeded, finishes the plan when every step
-succeeded, and fails it when a step failed, cancelling every step not yet run. The admits of an
-expansion group wait for every member's load_weights, so a member failing means no admit of the
-group runs (invariant 6: all-or-nothing); releasing the GPUs the group's members already took is
-the agents' job (`PlanProgress.release` lists those workers).
+claims one (`claim_steps`, only steps of the applying plan), runs it and reports through the fenced
+`finish_step`; `finish_step` here then unblocks the steps whose dependencies all succeeded, finishes
+the plan when every step succeeded, and fails it when a step failed, cancelling every step not yet
+run (a running step whose claim later expires is cancelled by `rescue_expired_steps`, never run
+again). The admits of an expansion group wait for every member's load_weights, so a member failing
+means no admit of the group runs (invariant 6: all-or-nothing); releasing the GPUs the members of a
+group not fully admitted already took is the agents' job (`PlanProgress.release` lists those
+workers; a group whose admits all succeeded serves and is kept).
 
 Concurrency. `apply` takes the fleet row first (`transitions.lock_fleet`), then the plan row: two
 applies of one plan are serialised and the second finds it applying; a plan whose base_version is
 not the fleet's state_version is marked stale and refused (invariant 3), nothing else changes.
-`finish_step` takes the same two locks in the same order, so two agents finishing the last two
-dependencies of a step cannot both miss the other's success, and no apply deadlocks with them.
+`finish_step` and `abort` take the same two locks in the same order, so two agents finishing the
+last two dependencies of a step cannot both miss the other's success, and no apply deadlocks with them.
 Every change of plans and plan_steps is written to `events` by triggers (invariant 5).
 """
 
@@ -27,9 +31,11 @@ import json
 import math
 import numbers
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
+from graphlib import CycleError, TopologicalSorter
 from typing import Any
 
 from sqlalchemy import Engine, func, select, text, update
@@ -40,7 +46,7 @@ from .db import transaction
 from .domain import PlanStatus, StepAction, StepStatus
 from .errors import BadInput, PearlError, StalePlan
 from .queries import query
-from .schema import Decision, Node
+from .schema import Decision, Node, Worker
 from .schema import Plan as PlanRow
 from .schema import PlanStep as StepRow
 from .transitions import StateConflict, lock_fleet
@@ -158,6 +164,7 @@ def write_plan(session: Session, plan: fleet.Plan, decision_id: int | None) -> i
     missing = sorted({s.node for s in plan.steps} - nodes.keys())
     if missing:
         raise BadInput(f"plan.steps.node: unknown node(s) {missing}")
+    _check_steps(plan.steps, {w: n for w, n in session.execute(select(Worker.id, Worker.node_id))}, nodes)
     row = PlanRow(decision_id=decision_id, base_version=plan.base_version, d_worker=plan.d_worker, d_role=plan.d_role)
     session.add(row)
     session.flush()
@@ -183,6 +190,23 @@ def write_plan(session: Session, plan: fleet.Plan, decision_id: int | None) -> i
     )
     session.flush()
     return row.id
+
+
+def _check_steps(steps: tuple[fleet.PlanStep, ...], worker_nodes: dict[int, int], nodes: dict[str, int]) -> None:
+    """Refuse a plan that could never finish: a step waiting for a key the plan does not have, or
+    for itself through a cycle, or addressed to a node its worker does not live on."""
+    keys = {s.key for s in steps}
+    for s in steps:
+        unknown = [k for k in s.after if k not in keys]
+        if unknown:
+            raise BadInput(f"plan.steps[{s.key}].after: {unknown} are not keys of the plan "
+                           "(the step would wait forever)")
+        if worker_nodes.get(s.worker_id) != nodes[s.node]:
+            raise BadInput(f"plan.steps[{s.key}].worker: worker {s.worker_id} does not live on node {s.node!r}")
+    try:
+        TopologicalSorter({s.key: s.after for s in steps}).prepare()
+    except CycleError as exc:
+        raise BadInput(f"plan.steps.after: the steps {exc.args[1]} wait for each other in a cycle") from None
 
 
 # -- applying ----------------------------------------------------------------------------------------
@@ -298,7 +322,9 @@ def reconcile(session: Session, plan_id: int) -> PlanProgress:
     ).all()
     failed = [s for s in steps if s.status is StepStatus.FAILED]
     if failed:
-        return _fail(session, plan, steps, failed)
+        first = failed[0]
+        return _fail(session, plan, steps, f"step {first.key} ({first.action.value} on worker {first.worker_id}) "
+                                           f"failed: {first.error or 'no reason given'}")
     done = {s.key for s in steps if s.status is StepStatus.SUCCEEDED}
     if len(done) == len(steps):
         plan.status, plan.finished_at = PlanStatus.SUCCEEDED, func.now()
@@ -313,11 +339,10 @@ def reconcile(session: Session, plan_id: int) -> PlanProgress:
     return PlanProgress(plan.id, PlanStatus.APPLYING, readied=tuple(s.key for s in steps if s.id in set(unblocked)))
 
 
-def _fail(session: Session, plan: PlanRow, steps: list[StepRow], failed: list[StepRow]) -> PlanProgress:
-    first = failed[0]
-    plan.status, plan.finished_at = PlanStatus.FAILED, func.now()
-    plan.error = (f"step {first.key} ({first.action.value} on worker {first.worker_id}) failed: "
-                  f"{first.error or 'no reason given'}")
+def _fail(session: Session, plan: PlanRow, steps: list[StepRow], error: str) -> PlanProgress:
+    """Mark the plan failed with `error` and cancel the steps not yet run (running ones report later;
+    a claim of theirs that expires is cancelled by the rescuer)."""
+    plan.status, plan.finished_at, plan.error = PlanStatus.FAILED, func.now(), error
     cancel = [s for s in steps if s.status in UNFINISHED]
     if cancel:
         session.execute(
@@ -334,6 +359,27 @@ def _fail(session: Session, plan: PlanRow, steps: list[StepRow], failed: list[St
             and s.status in (StepStatus.SUCCEEDED, StepStatus.RUNNING)}
     session.flush()
     return PlanProgress(plan.id, PlanStatus.FAILED, cancelled=tuple(s.key for s in cancel), release=tuple(sorted(took)))
+
+
+def abort(engine: Engine, plan_id: int, *, actor: str = "pearlctl apply --abort") -> PlanProgress:
+    """Fail an applying plan that cannot finish (its agents are gone, a step hangs): its steps not
+    yet run are cancelled, and the members of an expansion group not fully admitted that already took
+    GPUs are listed for release, as when a step fails. Raises NoPlan or PlanNotApplicable."""
+    with transaction(engine, actor=actor, reason=f"abort plan {plan_id}") as session:
+        lock_fleet(session)
+        plan = _plan_for_update(session, plan_id)
+        if plan.status is not PlanStatus.APPLYING:
+            raise PlanNotApplicable(f"plan {plan.id} is {plan.status.value}; only an applying plan can be aborted")
+        steps = session.scalars(
+            select(StepRow).where(StepRow.plan_id == plan.id).order_by(StepRow.id)
+            .execution_options(populate_existing=True)
+        ).all()
+        return _fail(session, plan, list(steps), f"aborted by {actor}")
+
+
+def step_counts(summary: Mapping[str, Any]) -> dict[str, int]:
+    """Steps per status in a `plan_summary`."""
+    return dict(Counter(s["status"] for s in summary["steps"]))
 
 
 # -- reading -----------------------------------------------------------------------------------------
@@ -401,8 +447,6 @@ def wait_plan(
         if summary["status"] != PlanStatus.APPLYING.value:
             return summary
         if time.monotonic() >= deadline:
-            counts: dict[str, int] = {}
-            for s in summary["steps"]:
-                counts[s["status"]] = counts.get(s["status"], 0) + 1
-            raise PlanTimeout(f"plan {plan_id} is still applying after {timeout_s:g} s (steps: {counts})")
+            raise PlanTimeout(f"plan {plan_id} is still applying after {timeout_s:g} s "
+                              f"(steps: {step_counts(summary)}); `pearlctl apply --abort {plan_id}` gives it up")
         time.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))

@@ -1,6 +1,6 @@
 """The control-plane database: SQLAlchemy 2 typed ORM of the unified GPU-worker-role state.
 
-The tables here and migrations `0001_initial`, `0002_policy_memory` match exactly (`alembic check`).
+The tables here and migrations `0001_initial` .. `0003_step_node_training_audit` match exactly (`alembic check`).
 What the ORM cannot express lives in the migration's SQL: the transition trigger (edges are rows of
 `gpu_transitions` and `worker_transitions`), the deferred check that a serving worker holds exactly
 its slot's GPUs, the `state_version` bump, the append-only `events` written by triggers, and the views.
@@ -93,7 +93,7 @@ class Fleet(Base):
     __table_args__ = (CheckConstraint("id = 1", name="single_row"),)
 
     id: Mapped[int] = mapped_column(SmallInteger, primary_key=True, server_default=text("1"), autoincrement=False)
-    # Bumped by trigger on every change to gpus, workers and leases, in the same transaction.
+    # Bumped by trigger on every change to gpus, workers, leases and training_steps, in the same transaction.
     state_version: Mapped[int] = mapped_column(BigInteger, server_default=text("0"))
     inventory_hash: Mapped[str | None] = mapped_column(Text)  # sha256 of the canonical inventory
     inventory: Mapped[dict[str, Any] | None] = mapped_column(JSONB)  # as imported, canonical form
@@ -124,7 +124,7 @@ class Worker(Base):
     __tablename__ = "workers"
     __table_args__ = (
         UniqueConstraint("node_id", "slot"),
-        UniqueConstraint("id", "node_id"),  # target of gpus' (slot_id, node_id) key
+        UniqueConstraint("id", "node_id"),  # target of the (slot_id, node_id) and (worker_id, node_id) keys
         CheckConstraint("slot >= 0", name="slot_non_negative"),
         CheckConstraint("zone = 'overlap' OR role <> 'training'", name="training_role_is_overlap"),
         CheckConstraint("role <> 'training' OR activity = 'inactive'", name="training_role_is_inactive"),
@@ -324,6 +324,8 @@ class PlanStep(Base):
     __tablename__ = "plan_steps"
     __table_args__ = (
         UniqueConstraint("plan_id", "key"),
+        # a step is addressed to the node its worker lives on
+        ForeignKeyConstraint(["worker_id", "node_id"], ["workers.id", "workers.node_id"], ondelete="CASCADE"),
         # per-worker mutual exclusion: at most one running step per worker
         Index(
             "uq_plan_steps_one_running_per_worker",

@@ -159,3 +159,22 @@ def test_apply_wait_exits_1_when_a_step_fails(pearlctl: Callable, pearlctl_env: 
     assert waiting.returncode == 1
     assert json.loads(out)["plan"]["status"] == "failed"
     assert f"plan 1 failed: step {claimed[0]['key']}" in err and "cuda out of memory" in err
+
+
+def test_apply_abort_gives_up_an_applying_plan(pearlctl: Callable, paper: Path, engine: Engine, clock) -> None:
+    assert pearlctl("plan").returncode == 0
+    assert pearlctl("apply", "1").returncode == 0
+    claimed = claim_ready(engine, clock())  # the agents took the first steps, then went silent
+    aborted = pearlctl("apply", "--abort", "1", "--json")
+    assert aborted.returncode == 0, aborted.stderr
+    out = json.loads(aborted.stdout)
+    assert out["plan"]["status"] == "failed" and out["plan"]["error"] == "aborted by pearlctl apply --abort"
+    assert out["cancelled"] and sorted(out["release"]) == sorted(s["worker_id"] for s in claimed)
+    assert {s["status"] for s in out["plan"]["steps"]} == {"running", "cancelled"}
+    again = pearlctl("apply", "--abort", "1")
+    assert again.returncode == 1 and "plan 1 is failed; only an applying plan can be aborted" in again.stderr
+    both = pearlctl("apply", "1", "--abort", "1")
+    assert both.returncode == 2 and "--abort: give the plan to abort alone" in both.stderr
+    assert pearlctl("plan").returncode == 0  # a new plan applies: nothing is left applying
+    applied = pearlctl("apply", "--latest")
+    assert applied.returncode == 0, applied.stderr

@@ -6,8 +6,10 @@ from __future__ import annotations
 import pytest
 from pearl.controlplane import plans
 from pearl.controlplane.db import transaction
-from pearl.controlplane.domain import GPUState, PlanStatus, Role, StepStatus
-from pearl.controlplane.errors import StalePlan
+from pearl.controlplane.domain import GPUState, PlanStatus, Role, StepAction, StepStatus
+from pearl.controlplane.errors import BadInput, StalePlan
+from pearl.controlplane.fleet import Plan as FleetPlan
+from pearl.controlplane.fleet import PlanStep as PlanStep_
 from pearl.controlplane.fleet import Target
 from pearl.controlplane.orchestrator import orchestrate
 from pearl.controlplane.queries import query
@@ -16,6 +18,7 @@ from pearl.controlplane.state import load_snapshot
 from pearl.controlplane.transitions import set_gpu_states
 from plan_support import claim_ready, report, run_plan
 from sqlalchemy import Engine, select, text
+from sqlalchemy.exc import IntegrityError
 
 pytestmark = pytest.mark.integration
 
@@ -275,3 +278,60 @@ def test_wait_plan_returns_when_the_plan_finishes_and_times_out_otherwise(cluste
         plans.wait_plan(cluster_engine, plan_id, timeout_s=0.2, poll_s=0.05)
     run_plan(cluster_engine, clock())
     assert plans.wait_plan(cluster_engine, plan_id, timeout_s=5)["status"] == "succeeded"
+
+
+def _plan_of(snapshot_version: int, *steps: PlanStep_) -> FleetPlan:
+    return FleetPlan(snapshot_version, frozenset(), frozenset(), {}, {}, steps, COLOCATED_3)
+
+
+@pytest.mark.parametrize(("steps", "message"), [
+    ((PlanStep_("a", StepAction.ROUTER_SYNC, 3, "roll-0", after=("nope",)),
+      PlanStep_("b", StepAction.ROUTER_SYNC, 1, "train-0")),
+     r"plan.steps\[a\].after: \['nope'\] are not keys of the plan"),
+    ((PlanStep_("a", StepAction.ROUTER_SYNC, 3, "roll-0", after=("b",)),
+      PlanStep_("b", StepAction.ROUTER_SYNC, 1, "train-0", after=("a",))),
+     r"plan.steps.after: the steps \[.*\] wait for each other in a cycle"),
+    ((PlanStep_("a", StepAction.START, 3, "train-0"),),
+     r"plan.steps\[a\].worker: worker 3 does not live on node 'train-0'"),
+], ids=["unknown-after-key", "cycle", "worker-on-another-node"])
+def test_a_plan_that_could_never_finish_is_refused(cluster_engine: Engine, steps: tuple, message: str) -> None:
+    with pytest.raises(BadInput, match=message):
+        with transaction(cluster_engine) as session:
+            plans.write_plan(session, _plan_of(load_snapshot(session).state_version, *steps), None)
+    with cluster_engine.connect() as conn:
+        written = conn.execute(text("SELECT (SELECT count(*) FROM plans) + (SELECT count(*) FROM plan_steps)"))
+        assert written.scalar() == 0
+
+
+def test_the_database_refuses_a_step_on_a_node_its_worker_does_not_live_on(cluster_engine: Engine) -> None:
+    plan_id = propose(cluster_engine)
+    with pytest.raises(IntegrityError, match="fk_plan_steps_worker_id_node_id_workers"):
+        with cluster_engine.begin() as conn:  # worker 3 lives on roll-0
+            conn.execute(text("INSERT INTO plan_steps (plan_id, key, worker_id, node_id, action) "
+                              "SELECT :p, 'x', 3, id, 'start' FROM nodes WHERE name = 'train-0'"), {"p": plan_id})
+
+
+def test_an_applying_plan_is_aborted_and_the_next_one_applies(cluster_engine: Engine, clock) -> None:
+    plan_id = propose(cluster_engine)
+    plans.apply(cluster_engine, plan_id)
+    starts = claim_ready(cluster_engine, clock())
+    for step in starts[:2]:
+        report(cluster_engine, step, StepStatus.SUCCEEDED, clock())
+    # the third agent died mid-step: the plan cannot finish
+    progress = plans.abort(cluster_engine, plan_id, actor="operator")
+    plan, steps = rows(cluster_engine, plan_id)
+    status = {s.key: s.status for s in steps}
+    assert plan.status is PlanStatus.FAILED and plan.error == "aborted by operator"
+    assert status[starts[2]["key"]] is StepStatus.RUNNING  # its agent may still report; rescue cancels it
+    assert set(progress.cancelled) == {k for k, s in status.items() if s is StepStatus.CANCELLED}
+    assert set(progress.cancelled) == set(status) - {s["key"] for s in starts}
+    # the group was never admitted: every member that took GPUs gives them back
+    assert progress.release == tuple(sorted(s["worker_id"] for s in starts))
+    with transaction(cluster_engine) as session:
+        rescued = session.execute(query("rescue_expired_steps"), {"now": clock.advance(60), "max_attempts": 3}).all()
+    assert [(r.id, r.status) for r in rescued] == [(starts[2]["id"], "cancelled")]
+    with pytest.raises(plans.PlanNotApplicable, match=f"plan {plan_id} is failed; only an applying plan"):
+        plans.abort(cluster_engine, plan_id)
+    with pytest.raises(plans.NoPlan, match="plan 42 does not exist"):
+        plans.abort(cluster_engine, 42)
+    assert plans.apply(cluster_engine, propose(cluster_engine, SPLIT_3)).plan_id > plan_id
