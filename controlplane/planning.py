@@ -4,10 +4,13 @@ One pass (`plan`): in one REPEATABLE READ transaction (one consistent view) read
 (`state.load_snapshot`), the profile (`profiles.load_profile`: fitted, else a measured engine over
 the inventory's workload prior, else the catalog prior), the signals a live control plane knows
 (below) and the policy's memory (`policy_memory`); call `PearlPolicy.decide`, then `orchestrate`.
-Then, in a second short transaction, write the decision, the plan (`plans.write_plan`: proposed,
-base_version = the snapshot's state_version, older proposed plans superseded) and the new memory.
-With `dry_run` nothing is written. If the fleet moves between the two, the plan is refused as stale
-when applied (invariant 3): it is never enacted against a state it was not computed for.
+Then, in a second short transaction (`write_planned`), write the decision, the plan
+(`plans.write_plan`: proposed, base_version = the snapshot's state_version, older proposed plans
+superseded) and the new memory. With `dry_run` nothing is written. The write takes the fleet row
+first (`transitions.lock_fleet`); if the fleet's state_version is no longer the snapshot's, or the
+stored memory changed since it was read (another pass wrote meanwhile), nothing is written and
+StalePlan says so (`pearlctl plan` again is the remedy): a pass never overwrites a newer pass's
+memory, and a plan is never computed against a state other than the one it records (invariant 3).
 
 One profile. The policy's memory carries a profile it would refit from `signals.telemetry`; live,
 the profiles table is the truth (telemetry is folded in when it is ingested, `telemetry_ingest`),
@@ -42,7 +45,7 @@ from sqlalchemy.orm import Session
 from . import fleet
 from .db import transaction
 from .domain import LeaseKind, PlanStatus, StepAction, StepStatus
-from .errors import BadInput
+from .errors import BadInput, StalePlan
 from .fleet import FleetSnapshot
 from .inventory import Inventory
 from .orchestrator import orchestrate
@@ -54,6 +57,7 @@ from .schema import PlanStep as StepRow
 from .selector import Selection
 from .state import load_snapshot
 from .telemetry import StepTelemetry, parse_telemetry
+from .transitions import lock_fleet
 
 POLICY = "pearl"
 
@@ -86,6 +90,14 @@ def live_policy(profile: StoredProfile) -> PearlPolicy:
 
 
 @dataclass(frozen=True)
+class MemoryMark:
+    """Which write of the stored policy memory a pass read."""
+
+    decision_id: int | None
+    updated_at: datetime
+
+
+@dataclass(frozen=True)
 class Planned:
     """One pass of the policy engine: what it read, what it decided, what it wrote."""
 
@@ -100,6 +112,7 @@ class Planned:
     memory: PearlMemory
     memory_note: str  # how the stored memory was used
     verdict: str = ""  # why the overlap slots are (or are not) held
+    memory_seen: MemoryMark | None = None  # the stored memory row as read (None: there was none)
     decision_id: int | None = None
     plan_id: int | None = None
 
@@ -277,6 +290,12 @@ def step_durations(session: Session) -> dict[str, float]:
     return out
 
 
+def _memory_mark(session: Session, *, lock: bool = False) -> MemoryMark | None:
+    stmt = select(PolicyMemory.decision_id, PolicyMemory.updated_at).where(PolicyMemory.policy == POLICY)
+    row = session.execute(stmt.with_for_update() if lock else stmt).first()
+    return MemoryMark(row.decision_id, row.updated_at) if row is not None else None
+
+
 def _load_memory(session: Session, policy: PearlPolicy, profile: StoredProfile) -> tuple[PearlMemory, str]:
     row = session.get(PolicyMemory, POLICY)
     memory, note = policy.initial_memory(), "initial"
@@ -310,7 +329,7 @@ def decide(session: Session, *, event: str = "plan") -> Planned:
     return Planned(snapshot, signals, stored, target, plan,
                    chosen.selection if chosen is not None else None,
                    seen.on_dedicated.selection if seen.with_overlap is not None and seen.on_dedicated else None,
-                   seen.gate, after, note, seen.verdict)
+                   seen.gate, after, note, seen.verdict, _memory_mark(session))
 
 
 def plan(engine: Engine, *, dry_run: bool = False, event: str = "plan", actor: str = "pearlctl plan") -> Planned:
@@ -319,7 +338,21 @@ def plan(engine: Engine, *, dry_run: bool = False, event: str = "plan", actor: s
         planned = decide(session, event=event)
     if dry_run:
         return planned
+    return write_planned(engine, planned, actor=actor)
+
+
+def write_planned(engine: Engine, planned: Planned, *, actor: str = "pearlctl plan") -> Planned:
+    """Write what `decide` decided, unless the fleet or the stored memory moved on since it read
+    them: then nothing is written and StalePlan says why."""
     with transaction(engine, actor=actor, reason=planned.target.reason[:500]) as session:
+        version = lock_fleet(session)
+        if version != planned.snapshot.state_version:
+            raise StalePlan(f"the fleet moved on while planning (state_version {planned.snapshot.state_version} "
+                            f"-> {version}); nothing was written; run `pearlctl plan` again")
+        mark = _memory_mark(session, lock=True)
+        if mark != planned.memory_seen:
+            raise StalePlan(f"another planning pass wrote the policy's memory meanwhile (decision "
+                            f"{mark.decision_id if mark else None}); nothing was written; run `pearlctl plan` again")
         decision_id = write_decision(session, planned.record())
         plan_id = write_plan(session, planned.plan, decision_id)
         memory = json_safe(planned.memory.to_dict())

@@ -9,6 +9,7 @@ import pytest
 from pearl.controlplane import planning, plans
 from pearl.controlplane.db import transaction
 from pearl.controlplane.domain import GPUState, LeaseKind, PlanStatus, Role, StepAction
+from pearl.controlplane.errors import StalePlan
 from pearl.controlplane.profile import Provenance
 from pearl.controlplane.profiles import NoInventory, NoWorkload
 from pearl.controlplane.schema import GPU, Decision, Lease, Plan, PolicyMemory, TrainingStep
@@ -140,3 +141,80 @@ def test_without_an_inventory_or_a_workload_block_there_is_no_plan(db_engine: En
     with pytest.raises(NoWorkload, match="workload: the inventory has no `workload` block"):
         planning.plan(db_engine)
     assert written(db_engine) == (0, 0, 0)
+
+
+def decided(engine: Engine) -> planning.Planned:
+    """Read and decide, as the first half of a pass does."""
+    with transaction(engine, isolation_level="REPEATABLE READ") as session:
+        return planning.decide(session)
+
+
+def grant_spot(engine: Engine) -> None:
+    with transaction(engine, actor="provider") as session:
+        spot = session.scalars(select(GPU.id).where(GPU.zone == "preemptible")).all()
+        set_gpu_states(session, spot, [GPUState.UNAVAILABLE], GPUState.FREE)
+
+
+def test_a_fleet_change_between_decide_and_write_writes_nothing(fleet_engine: Engine) -> None:
+    planned = decided(fleet_engine)
+    grant_spot(fleet_engine)
+    with pytest.raises(StalePlan, match=rf"the fleet moved on while planning \(state_version "
+                                        rf"{planned.snapshot.state_version} -> \d+\); nothing was written") as stale:
+        planning.write_planned(fleet_engine, planned)
+    assert "run `pearlctl plan` again" in str(stale.value) and stale.value.exit_code == 1
+    assert written(fleet_engine) == (0, 0, 0)
+    assert planning.plan(fleet_engine).plan_id is not None  # the remedy: plan again
+
+
+def test_a_pass_never_overwrites_the_memory_of_a_pass_that_wrote_meanwhile(fleet_engine: Engine) -> None:
+    first, second = decided(fleet_engine), decided(fleet_engine)
+    wrote = planning.write_planned(fleet_engine, first)
+    with pytest.raises(StalePlan, match=f"another planning pass wrote the policy's memory meanwhile "
+                                        f"\\(decision {wrote.decision_id}\\)"):
+        planning.write_planned(fleet_engine, second)
+    assert written(fleet_engine) == (1, 1, 1)
+    with transaction(fleet_engine) as session:
+        assert session.get(PolicyMemory, planning.POLICY).decision_id == wrote.decision_id
+
+
+def test_a_training_step_moves_the_state_version_and_is_audited(fleet_engine: Engine) -> None:
+    planned = decided(fleet_engine)
+    written_before = planning.plan(fleet_engine)
+    with transaction(fleet_engine, actor="trainer", reason="training-begin") as session:
+        session.add(TrainingStep(step=7, requested_at=func.now()))
+    with transaction(fleet_engine, actor="trainer") as session:
+        session.execute(text("UPDATE training_steps SET started_at = now() WHERE step = 7"))
+    with fleet_engine.connect() as conn:
+        version = conn.execute(text("SELECT state_version FROM fleet")).scalar_one()
+        events = conn.execute(text("SELECT op, entity_id, state_version, actor, reason FROM events "
+                                   "WHERE entity = 'training_steps' ORDER BY id")).all()
+    assert version == planned.snapshot.state_version + 2
+    assert [(e.op, e.entity_id, e.state_version, e.actor) for e in events] == [
+        ("insert", "7", version - 1, "trainer"), ("update", "7", version, "trainer")]
+    assert events[0].reason == "training-begin"
+    # a pass decided before the training began writes nothing; a plan written before it is stale
+    with pytest.raises(StalePlan, match="the fleet moved on while planning"):
+        planning.write_planned(fleet_engine, planned)
+    with pytest.raises(StalePlan, match=f"plan {written_before.plan_id} was computed at state_version"):
+        plans.apply(fleet_engine, written_before.plan_id)
+
+
+def test_pearlctl_plan_exits_1_when_the_fleet_moves_while_it_plans(
+    fleet_engine: Engine, database_url: str, pearlctl_env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pearl.cli.app import app
+    from typer.testing import CliRunner
+
+    decide = planning.decide
+
+    def decide_then_grant(session, **kwargs):  # the provider grants spot-0 while the pass decides
+        out = decide(session, **kwargs)
+        grant_spot(fleet_engine)
+        return out
+
+    monkeypatch.setattr(planning, "decide", decide_then_grant)
+    env = {"PEARL_HOME": pearlctl_env["PEARL_HOME"], "PEARL_DATABASE_URL": database_url}
+    result = CliRunner().invoke(app, ["plan"], env=env)
+    assert result.exit_code == 1, result.stderr
+    assert "the fleet moved on while planning" in " ".join(result.stderr.split())
+    assert written(fleet_engine) == (0, 0, 0)
