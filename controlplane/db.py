@@ -28,6 +28,16 @@ ILLEGAL_TRANSITION = "PX001"
 INVARIANT_VIOLATION = "PX002"
 APPEND_ONLY = "PX003"
 _CONNECT_TIMEOUT_S = 5
+# The CHECK constraints that spell the state machine out: violating one is an illegal transition.
+# Any other CHECK (a count, an index, a distance) is plain invalid data.
+STATE_CONSTRAINTS = frozenset({
+    "ck_gpus_held_iff_in_use",
+    "ck_gpus_held_by_its_slot",
+    "ck_gpus_state_fits_zone",
+    "ck_workers_training_role_is_inactive",
+    "ck_workers_training_role_is_overlap",
+    "ck_plan_steps_running_is_claimed",
+})
 
 
 class SchemaMissing(PearlError):
@@ -60,8 +70,10 @@ def translate(exc: DBAPIError, engine: Engine | None = None) -> PearlError | Non
     diag = getattr(orig, "diag", None)
     if state in (ILLEGAL_TRANSITION, INVARIANT_VIOLATION):
         return IllegalTransition(diag.message_primary if diag else str(orig))
-    if state == "23514":  # check_violation: one of the constraints that spell the state machine out
-        return IllegalTransition(f"refused by constraint {diag.constraint_name}: {diag.message_primary}")
+    if state == "23514":  # check_violation
+        name = diag.constraint_name if diag else None
+        message = f"refused by constraint {name}: {diag.message_primary if diag else orig}"
+        return IllegalTransition(message) if name in STATE_CONSTRAINTS else PearlError(message)
     if engine is not None and _is_connection_failure(exc):
         return _unavailable(engine, exc)
     return None

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from pearl.controlplane.db import transaction
+from pearl.controlplane.db import STATE_CONSTRAINTS, transaction
 from pearl.controlplane.domain import Activity, GPUState, NodeZone, Role
-from pearl.controlplane.errors import IllegalTransition
+from pearl.controlplane.errors import IllegalTransition, PearlError
 from pearl.controlplane.transitions import (
     StateConflict,
     admit_worker,
@@ -129,6 +129,25 @@ def test_illegal_worker_edges_are_refused(cluster_engine: Engine) -> None:
         run_sql(cluster_engine, "UPDATE workers SET role = 'training' WHERE id = :w", w=worker)
     with pytest.raises(IllegalTransition, match="never change"):
         run_sql(cluster_engine, "UPDATE workers SET slot = 5 WHERE id = :w", w=worker)
+
+
+def test_the_state_constraints_are_checks_of_the_schema(cluster_engine: Engine) -> None:
+    with cluster_engine.connect() as conn:
+        checks = set(conn.execute(text("SELECT conname FROM pg_constraint WHERE contype = 'c'")).scalars())
+    assert STATE_CONSTRAINTS < checks
+
+
+@pytest.mark.parametrize(("statement", "constraint"), [
+    ("UPDATE nodes SET gpu_count = 0 WHERE name = 'roll-0'", "ck_nodes_gpu_count_positive"),
+    ("UPDATE workers SET weights_version = -1 WHERE slot = 0", "ck_workers_counters_non_negative"),
+    ("INSERT INTO plans (base_version, d_worker) VALUES (0, -1)", "ck_plans_distances_non_negative"),
+], ids=["gpu-count", "weights-version", "plan-distance"])
+def test_a_check_unrelated_to_the_state_machine_is_not_an_illegal_transition(
+    cluster_engine: Engine, statement: str, constraint: str
+) -> None:
+    with pytest.raises(PearlError, match=f"refused by constraint {constraint}") as refused:
+        run_sql(cluster_engine, statement)
+    assert not isinstance(refused.value, IllegalTransition)
 
 
 def test_role_changes_only_while_transitioning(cluster_engine: Engine) -> None:
