@@ -44,18 +44,18 @@ from sqlalchemy.orm import Session
 
 from . import fleet
 from .db import transaction
-from .domain import LeaseKind, PlanStatus, StepAction, StepStatus
+from .domain import PlanStatus, StepAction, StepStatus
 from .errors import BadInput, StalePlan
 from .fleet import FleetSnapshot
 from .inventory import Inventory
 from .orchestrator import orchestrate
 from .plans import DecisionRecord, json_safe, plan_summary, target_to_dict, write_decision, write_plan
 from .profiles import StoredProfile, fleet_inventory, fleet_key, load_profile
-from .schema import GPU, Fleet, Lease, PolicyMemory, Telemetry, TrainingStep, Worker
+from .schema import Fleet, PolicyMemory, Telemetry, TrainingStep, Worker
 from .schema import Plan as PlanRow
 from .schema import PlanStep as StepRow
 from .selector import Selection
-from .state import load_snapshot
+from .state import load_snapshot, revocation_notices
 from .telemetry import StepTelemetry, parse_telemetry
 from .transitions import lock_fleet
 
@@ -241,12 +241,9 @@ def live_signals(session: Session, snapshot: FleetSnapshot, batch_size: int, eve
         select(TrainingStep).where(TrainingStep.ended_at.is_not(None), TrainingStep.started_at.is_not(None))
         .order_by(TrainingStep.step.desc()).limit(1)
     ).first()
-    notices = session.execute(
-        select(GPU.slot_id, func.min(Lease.deadline))
-        .join(Lease, Lease.gpu_id == GPU.id)
-        .where(Lease.returned_at.is_(None), Lease.kind == LeaseKind.PREEMPTIBLE, Lease.deadline.is_not(None))
-        .group_by(GPU.slot_id)
-    )
+    notices: dict[int, datetime] = {}  # per worker slot, its earliest GPU deadline
+    for slot, deadline in revocation_notices(session).values():
+        notices[slot] = min(deadline, notices.get(slot, deadline))
     telemetry = latest_telemetry(session)
     weights = session.scalar(select(func.max(TrainingStep.weights_version)))
     if weights is None:
@@ -259,7 +256,7 @@ def live_signals(session: Session, snapshot: FleetSnapshot, batch_size: int, eve
         remaining=batch_size,  # unknown live: the whole step (remaining fraction 1.0)
         training=running,
         training_wanted=wanted,
-        deadlines={slot: since(deadline) for slot, deadline in notices},
+        deadlines={slot: since(deadline) for slot, deadline in notices.items()},
         telemetry=telemetry,
         step_durations=step_durations(session),
         weights_version=int(weights),

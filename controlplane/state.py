@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
+from datetime import datetime
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -29,6 +30,17 @@ def _available(zone: WorkerZone, worker_id: int, gpus: list[GPU], under_notice: 
     return True
 
 
+def revocation_notices(session: Session) -> dict[int, tuple[int, datetime]]:
+    """GPUs under a revocation notice (a preemptible GPU whose open lease has a deadline):
+    gpu id -> (its worker slot, the deadline)."""
+    rows = session.execute(
+        select(GPU.id, GPU.slot_id, Lease.deadline)
+        .join(Lease, Lease.gpu_id == GPU.id)
+        .where(Lease.returned_at.is_(None), Lease.kind == LeaseKind.PREEMPTIBLE, Lease.deadline.is_not(None))
+    )
+    return {gpu: (slot, deadline) for gpu, slot, deadline in rows}
+
+
 def load_snapshot(session: Session) -> FleetSnapshot:
     """Every worker slot at the current `state_version`, read in the session's transaction.
 
@@ -38,14 +50,7 @@ def load_snapshot(session: Session) -> FleetSnapshot:
     gpus_by_slot: dict[int, list[GPU]] = defaultdict(list)
     for gpu in session.scalars(select(GPU).order_by(GPU.slot_id, GPU.device_index)):
         gpus_by_slot[gpu.slot_id].append(gpu)
-    # A preemptible GPU whose open lease has a deadline is under a revocation notice.
-    under_notice = set(
-        session.scalars(
-            select(Lease.gpu_id).where(
-                Lease.returned_at.is_(None), Lease.kind == LeaseKind.PREEMPTIBLE, Lease.deadline.is_not(None)
-            )
-        )
-    )
+    under_notice = set(revocation_notices(session))
     rows = session.execute(select(Worker, Node.name).join(Node, Node.id == Worker.node_id).order_by(Worker.id))
     slots = []
     for worker, node_name in rows:
