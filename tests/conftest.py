@@ -14,7 +14,6 @@ import itertools
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -27,7 +26,6 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session
 from sqlalchemy.pool import NullPool
 
-REPO = Path(__file__).resolve().parent.parent
 _db_counter = itertools.count()
 
 
@@ -200,9 +198,6 @@ def broker_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         stop_redis(home)
 
 
-PEARLCTL = Path(sys.executable).with_name("pearlctl")
-
-
 @pytest.fixture
 def pearlctl_env(tmp_path: Path) -> dict[str, str]:
     """An environment for `pearlctl` with its own PEARL_HOME and no service URLs."""
@@ -214,6 +209,8 @@ def pearlctl_env(tmp_path: Path) -> dict[str, str]:
 @pytest.fixture
 def pearlctl(database_url: str, pearlctl_env: dict[str, str]) -> Callable[..., subprocess.CompletedProcess[str]]:
     """Run `pearlctl ARGS...` in a subprocess against the test's fresh database."""
+    from plan_support import PEARLCTL, REPO
+
     env = {**pearlctl_env, "PEARL_DATABASE_URL": database_url}
 
     def run(*args: str, extra_env: dict[str, str] | None = None,
@@ -224,28 +221,13 @@ def pearlctl(database_url: str, pearlctl_env: dict[str, str]) -> Callable[..., s
     return run
 
 
-# A small cluster: 2 overlap slots on train-0, 1 dedicated slot on roll-0, 1 on spot-0 (tp 2).
-SMALL_INVENTORY = {
-    "model": "qwen3-8b",
-    "gpu": "h800",
-    "tp": 2,
-    "nodes": [
-        {"name": "train-0", "zone": "training", "gpus": 4, "address": "127.0.0.1"},
-        {"name": "roll-0", "zone": "rollout", "gpus": 2, "address": "127.0.0.1"},
-        {"name": "spot-0", "zone": "preemptible", "gpus": 2, "address": "127.0.0.1"},
-    ],
-}
-
-
 @pytest.fixture
 def cluster_engine(db_engine: Engine) -> Engine:
-    """`db_engine` with SMALL_INVENTORY imported and committed."""
-    from pearl.controlplane.cluster import import_inventory
-    from pearl.controlplane.db import transaction
-    from pearl.controlplane.inventory import parse_inventory
+    """`db_engine` with `plan_support.small_inventory` (no workload block) imported and committed:
+    overlap workers 1, 2 on train-0, dedicated 3 on roll-0 and 4 on spot-0 (not granted), tp 2."""
+    from plan_support import import_cluster, small_inventory
 
-    with transaction(db_engine, actor="test") as session:
-        import_inventory(session, parse_inventory(SMALL_INVENTORY))
+    import_cluster(db_engine, small_inventory(workload=False))
     return db_engine
 
 

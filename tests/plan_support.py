@@ -1,8 +1,12 @@
-"""Helpers for the tests of the profile store, telemetry ingestion, the plan store and the policy engine:
-inventories with a workload block, synthetic telemetry, and an agent's claim-and-report loop."""
+"""Helpers shared by the tests: paths (the repository, `pearlctl`), inventories (with or without a
+workload block), synthetic telemetry, proposing a plan, an agent's claim-and-report loop, and
+running functions at once in threads."""
 
 from __future__ import annotations
 
+import sys
+import threading
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -11,14 +15,25 @@ import numpy as np
 import yaml
 from pearl.controlplane.cluster import import_inventory
 from pearl.controlplane.db import transaction
-from pearl.controlplane.domain import StepStatus
+from pearl.controlplane.domain import Role, StepStatus
+from pearl.controlplane.fleet import Target
 from pearl.controlplane.inventory import parse_inventory
-from pearl.controlplane.plans import PlanProgress, finish_step
+from pearl.controlplane.orchestrator import orchestrate
+from pearl.controlplane.plans import (
+    DecisionRecord,
+    PlanProgress,
+    finish_step,
+    target_to_dict,
+    write_decision,
+    write_plan,
+)
 from pearl.controlplane.queries import query
+from pearl.controlplane.state import load_snapshot
 from pearl.controlplane.workload import Workload
 from sqlalchemy import Engine, text
 
 REPO = Path(__file__).resolve().parent.parent
+PEARLCTL = Path(sys.executable).with_name("pearlctl")
 PAPER_INVENTORY = REPO / "sim" / "inventories" / "paper-32-h800.yaml"
 PAPER_SCENARIO = REPO / "sim" / "scenarios" / "paper-qwen3-8b-seg2.yaml"
 
@@ -36,7 +51,8 @@ def paper_inventory(workload: bool = True) -> dict[str, Any]:
 
 
 def small_inventory(workload: bool = True) -> dict[str, Any]:
-    """2 overlap slots on train-0, 1 dedicated slot on roll-0, 1 on spot-0 (tp 2)."""
+    """2 overlap slots on train-0 (workers 1, 2), 1 dedicated slot on roll-0 (3), 1 on spot-0 (4, not
+    granted); tp 2."""
     raw = {
         "model": "qwen3-8b", "gpu": "h800", "tp": 2,
         "nodes": [
@@ -121,3 +137,44 @@ def run_plan(engine: Engine, now: datetime, fail: str | None = None, limit: int 
             progress.append(report(engine, step, StepStatus.FAILED if failed else StepStatus.SUCCEEDED, now,
                                    "boom" if failed else None))
     raise AssertionError("the plan never settled")
+
+
+# -- plans -------------------------------------------------------------------------------------------
+
+COLOCATED_3 = Target(frozenset({1, 2, 3}), {Role.COLOCATED: 3}, reason="test: three colocated")
+
+
+def propose(engine: Engine, target: Target = COLOCATED_3) -> int:
+    """Orchestrate `target` against the current fleet and store it, with its decision, as a proposed plan."""
+    with transaction(engine, actor="test") as session:
+        snapshot = load_snapshot(session)
+        plan = orchestrate(snapshot, target)
+        decision = write_decision(session, DecisionRecord(
+            policy="test", state_version=snapshot.state_version, reason=target.reason,
+            target=target_to_dict(target), inputs={"note": "test", "inf": float("inf")}))
+        plan_id = write_plan(session, plan, decision)
+    assert plan_id is not None
+    return plan_id
+
+
+# -- concurrency -------------------------------------------------------------------------------------
+
+
+def in_threads(*fns: Callable[[], object]) -> list[object]:
+    """Run the functions at once (released together by a barrier); each result or raised exception."""
+    barrier = threading.Barrier(len(fns))
+    results: list[object] = [None] * len(fns)
+
+    def call(i: int, fn: Callable[[], object]) -> None:
+        barrier.wait()
+        try:
+            results[i] = fn()
+        except Exception as exc:  # returned to the caller, which asserts on it
+            results[i] = exc
+
+    threads = [threading.Thread(target=call, args=(i, fn)) for i, fn in enumerate(fns)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    return results

@@ -5,21 +5,19 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import yaml
+from plan_support import PEARLCTL, REPO
 from sqlalchemy import create_engine, text
 from sqlalchemy.pool import NullPool
 
 pytestmark = pytest.mark.integration
 
-REPO = Path(__file__).resolve().parents[2]
 PAPER = REPO / "sim" / "inventories" / "paper-32-h800.yaml"
 SMALL = REPO / "sim" / "inventories" / "small.yaml"
-PEARLCTL = Path(sys.executable).with_name("pearlctl")
 
 
 def counts(database_url: str) -> tuple[int, int, int]:

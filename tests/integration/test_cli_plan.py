@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -15,14 +14,21 @@ from pearl.controlplane.db import transaction
 from pearl.controlplane.domain import GPUState, StepStatus
 from pearl.controlplane.schema import GPU
 from pearl.controlplane.transitions import set_gpu_states
-from plan_support import PAPER_INVENTORY, claim_ready, paper_inventory, report, run_plan, write_inventory
+from plan_support import (
+    PAPER_INVENTORY,
+    PEARLCTL,
+    REPO,
+    claim_ready,
+    paper_inventory,
+    report,
+    run_plan,
+    write_inventory,
+)
 from sqlalchemy import Engine, create_engine, select, text
 from sqlalchemy.pool import NullPool
 
 pytestmark = pytest.mark.integration
 
-REPO = Path(__file__).resolve().parents[2]
-PEARLCTL = Path(sys.executable).with_name("pearlctl")
 
 
 @pytest.fixture

@@ -7,18 +7,17 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
+from plan_support import PEARLCTL, REPO
 
 pytestmark = pytest.mark.integration
 
-PEARLCTL = Path(sys.executable).with_name("pearlctl")
-PAPER = Path(__file__).resolve().parents[2] / "sim" / "inventories" / "paper-32-h800.yaml"
+PAPER = REPO / "sim" / "inventories" / "paper-32-h800.yaml"
 
 
 @pytest.fixture

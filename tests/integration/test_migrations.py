@@ -5,19 +5,17 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from importlib.resources import files
-from pathlib import Path
 
 import pytest
 from alembic import command
 from pearl.controlplane.db import alembic_config, current_revision, head_revision, make_engine
+from plan_support import PEARLCTL
 from sqlalchemy import Engine, inspect, text
 from sqlalchemy.pool import NullPool
 
 pytestmark = pytest.mark.integration
 
-PEARLCTL = Path(sys.executable).with_name("pearlctl")
 
 
 def _objects(engine: Engine) -> dict[str, list[str]]:

@@ -16,28 +16,14 @@ from pearl.controlplane.queries import query
 from pearl.controlplane.schema import GPU, Fleet, Plan, PlanStep
 from pearl.controlplane.state import load_snapshot
 from pearl.controlplane.transitions import set_gpu_states
-from plan_support import claim_ready, report, run_plan
+from plan_support import COLOCATED_3, claim_ready, propose, report, run_plan
 from sqlalchemy import Engine, select, text
 from sqlalchemy.exc import IntegrityError
 
 pytestmark = pytest.mark.integration
 
-# SMALL_INVENTORY (conftest): workers 1, 2 overlap on train-0; 3 dedicated on roll-0; 4 on spot-0 (not granted)
-COLOCATED_3 = Target(frozenset({1, 2, 3}), {Role.COLOCATED: 3}, reason="test: three colocated")
+# cluster_engine (conftest): workers 1, 2 overlap on train-0; 3 dedicated on roll-0; 4 on spot-0 (not granted)
 SPLIT_3 = Target(frozenset({1, 2, 3}), {Role.PREFILL: 1, Role.DECODE: 2}, reason="test: 1P2D")
-
-
-def propose(engine: Engine, target: Target = COLOCATED_3) -> int:
-    """Orchestrate `target` against the current fleet and store it as a proposed plan."""
-    with transaction(engine, actor="test") as session:
-        snapshot = load_snapshot(session)
-        plan = orchestrate(snapshot, target)
-        decision = plans.write_decision(session, plans.DecisionRecord(
-            policy="test", state_version=snapshot.state_version, reason=target.reason,
-            target=plans.target_to_dict(target), inputs={"note": "test", "inf": float("inf")}))
-        plan_id = plans.write_plan(session, plan, decision)
-    assert plan_id is not None
-    return plan_id
 
 
 def rows(engine: Engine, plan_id: int) -> tuple[Plan, list[PlanStep]]:

@@ -13,6 +13,7 @@ from pearl.controlplane.db import transaction
 from pearl.controlplane.domain import Role
 from pearl.controlplane.inventory import parse_inventory
 from pearl.controlplane.transitions import StateConflict, lock_fleet, start_worker
+from plan_support import in_threads
 from sqlalchemy import Engine, text
 
 pytestmark = pytest.mark.reliability
@@ -22,26 +23,6 @@ PAPER = {
     "nodes": [{"name": f"train-{i}", "zone": "training", "gpus": 8, "address": "10.0.0.1"} for i in range(2)]
     + [{"name": "roll-0", "zone": "rollout", "gpus": 4, "address": "10.0.0.2"}],
 }
-
-
-def in_threads(*fns: Callable[[], object]) -> list[object]:
-    """Run the functions at once (released together by a barrier); each result or raised exception."""
-    barrier = threading.Barrier(len(fns))
-    results: list[object] = [None] * len(fns)
-
-    def call(i: int, fn: Callable[[], object]) -> None:
-        barrier.wait()
-        try:
-            results[i] = fn()
-        except Exception as exc:  # returned to the caller, which asserts on it
-            results[i] = exc
-
-    threads = [threading.Thread(target=call, args=(i, fn)) for i, fn in enumerate(fns)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    return results
 
 
 def rollout_slot(engine: Engine) -> tuple[int, list[int]]:

@@ -6,55 +6,31 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import threading
-from collections.abc import Callable
 
 import pytest
 from pearl.controlplane import plans
 from pearl.controlplane.db import transaction
-from pearl.controlplane.domain import GPUState, PlanStatus, Role, StepStatus
+from pearl.controlplane.domain import GPUState, PlanStatus, StepStatus
 from pearl.controlplane.errors import StalePlan
-from pearl.controlplane.fleet import Target
 from pearl.controlplane.orchestrator import orchestrate
 from pearl.controlplane.schema import GPU, Plan, PlanStep
 from pearl.controlplane.state import load_snapshot
 from pearl.controlplane.telemetry import parse_telemetry
 from pearl.controlplane.telemetry_ingest import ingest_telemetry
 from pearl.controlplane.transitions import set_gpu_states
-from plan_support import claim_ready, import_cluster, report, small_inventory, telemetry
+from plan_support import (
+    COLOCATED_3,
+    claim_ready,
+    import_cluster,
+    in_threads,
+    propose,
+    report,
+    small_inventory,
+    telemetry,
+)
 from sqlalchemy import Engine, func, select, text
 
 pytestmark = pytest.mark.reliability
-
-COLOCATED_3 = Target(frozenset({1, 2, 3}), {Role.COLOCATED: 3}, reason="race")
-
-
-def in_threads(*fns: Callable[[], object]) -> list[object]:
-    """Run the functions at once (released together by a barrier); each result or raised exception."""
-    barrier = threading.Barrier(len(fns))
-    results: list[object] = [None] * len(fns)
-
-    def call(i: int, fn: Callable[[], object]) -> None:
-        barrier.wait()
-        try:
-            results[i] = fn()
-        except Exception as exc:  # returned to the caller, which asserts on it
-            results[i] = exc
-
-    threads = [threading.Thread(target=call, args=(i, fn)) for i, fn in enumerate(fns)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    return results
-
-
-def propose(engine: Engine) -> int:
-    with transaction(engine, actor="race") as session:
-        plan_id = plans.write_plan(session, orchestrate(load_snapshot(session), COLOCATED_3), None)
-    assert plan_id is not None
-    return plan_id
-
 
 def status_of(engine: Engine, plan_id: int) -> PlanStatus:
     with transaction(engine) as session:
