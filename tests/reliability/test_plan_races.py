@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
+from datetime import datetime
 
 import pytest
 from pearl.controlplane import plans
@@ -13,6 +15,7 @@ from pearl.controlplane.db import transaction
 from pearl.controlplane.domain import GPUState, PlanStatus, StepStatus
 from pearl.controlplane.errors import StalePlan
 from pearl.controlplane.orchestrator import orchestrate
+from pearl.controlplane.queries import query
 from pearl.controlplane.schema import GPU, Plan, PlanStep
 from pearl.controlplane.state import load_snapshot
 from pearl.controlplane.telemetry import parse_telemetry
@@ -154,3 +157,28 @@ def test_a_planner_killed_mid_write_leaves_nothing_behind(database_url: str, db_
         assert conn.execute(text("SELECT status FROM plans WHERE id = :p"), {"p": earlier}).scalar() == "proposed"
         assert conn.execute(text("SELECT count(DISTINCT plan_id) FROM plan_steps")).scalar() == 1
     assert plans.apply(db_engine, earlier).plan_id == earlier  # the plan row it locked is free again
+
+
+def test_a_rescue_racing_a_plan_failure_never_revives_a_step(cluster_engine: Engine, clock) -> None:
+    for round_ in range(4):
+        plan_id = propose(cluster_engine)
+        plans.apply(cluster_engine, plan_id)
+        starts = {s["key"]: s for s in claim_ready(cluster_engine, clock())}
+        first = starts["w1.start"]
+        with transaction(cluster_engine) as session:  # w1's agent is alive and heartbeats
+            session.execute(query("renew_step_lease"), {"step_id": first["id"], "fence": first["fence"],
+                                                        "now": clock(), "lease_s": 600})
+        now = clock.advance(60)  # the claims of w2.start and w3.start ran out: their agents died
+
+        def rescue(now: datetime = now, lag_s: float = 0.05 * (round_ % 2)) -> list:
+            time.sleep(lag_s)  # every other round the failure most likely commits first
+            with transaction(cluster_engine) as session:
+                return session.execute(query("rescue_expired_steps"), {"now": now, "max_attempts": 3}).all()
+
+        failed, _ = in_threads(lambda s=first, t=now: report(cluster_engine, s, StepStatus.FAILED, t, "boom"), rescue)
+        assert failed.status is PlanStatus.FAILED, failed
+        rescue(lag_s=0)  # a later sweep: whatever the first one skipped while the plan row was being failed
+        assert claim_ready(cluster_engine, clock()) == []
+        with transaction(cluster_engine) as session:
+            left = session.execute(select(PlanStep.key, PlanStep.status).where(PlanStep.plan_id == plan_id)).all()
+        assert {k: s for k, s in left if s is not StepStatus.CANCELLED} == {"w1.start": StepStatus.FAILED}
