@@ -136,7 +136,7 @@ def _chain_start(session: Session, fitted_id: int) -> int:
     walk = walk.union_all(
         select(parent.id, parent.based_on, parent.provenance, walk.c.depth + 1)
         .join(walk, parent.id == walk.c.based_on)
-        .where(walk.c.provenance == RowProvenance.FITTED)
+        .where(walk.c.provenance == RowProvenance.FITTED, parent.id < walk.c.id)  # older rows only: it ends
     )
     return session.scalars(select(walk.c.id).order_by(walk.c.depth.desc()).limit(1)).one()
 
