@@ -99,7 +99,10 @@ class EngineProfile:
         lo, hi = max(1.0, batch_hint / 2), max(2.0, batch_hint * 2)
         t_lo, t_hi = (float(self.decode_iteration_s(n, ctx_mean)) for n in (lo, hi))
         b = (t_hi - t_lo) / (hi - lo)
-        return t_lo - b * lo, b
+        a = t_lo - b * lo
+        if a < 0:  # a convex curve (or noisy measurement): keep A >= 0 and match T_iter at the lower batch
+            return 0.0, t_lo / lo
+        return a, b
 
 
 @dataclass(frozen=True)

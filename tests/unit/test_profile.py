@@ -71,6 +71,15 @@ def test_a_b_is_the_secant_of_the_decode_curve(perf):
     assert 0 < b < a
 
 
+def test_a_b_keeps_a_non_negative_on_a_convex_curve(perf):
+    # a noisy or convex measured curve (a steep rise past the lower batch) must not give A < 0
+    convex = replace(engine_from_perf(perf), decode_batches=(1, 4, 16, 64), decode_base_s=(0.004, 0.0041, 0.03, 0.2),
+                     decode_s_per_ctx_token=0.0)
+    a, b = convex.a_b(0.0, 8)
+    assert a == 0.0 and b == pytest.approx(0.0041 / 4)
+    assert a + b * 4 == pytest.approx(float(convex.decode_iteration_s(4, 0.0)))
+
+
 def test_pools_are_the_distributions_quantiles(paper_workload):
     pools = pools_from_workload(paper_workload, n=101)
     assert pools.levels[50] == pytest.approx(0.5)
