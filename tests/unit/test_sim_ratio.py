@@ -30,6 +30,7 @@ from pearl.sim.ratio import (
 )
 from pearl.sim.runner import Simulation
 from pearl.sim.scenario import load_scenario
+from pearl.sim.systems import system
 from pearl.sim.trajectories import Trajectory
 from typer.testing import CliRunner
 
@@ -281,3 +282,28 @@ def test_the_prefill_refit_from_simulated_telemetry_stays_near_the_catalog():
     # sizes other than the catalog's 2048 tokens move it a little)
     assert all(0.85 < r < 1.2 for r in ratios), ratios
     assert 0.9 < profile.engine.prefill_s_per_token / prior_profile(sc).engine.prefill_s_per_token < 1.2
+
+
+# -- a workload where splitting wins ------------------------------------------------------------------
+
+PREFILL_HEAVY = "prefill-heavy-qwen3-8b-dedicated16"
+
+
+def test_on_a_prefill_heavy_workload_a_split_is_predicted_simulated_and_run_by_pearl():
+    """The shipped counter-example to the paper scenarios: short replies after long tool observations.
+    The predictor prefers 4P4D over colocated, the simulator agrees on the same batches, and pearl
+    installs a split."""
+    sc = load_scenario(PREFILL_HEAVY, ["duration_s=120"])
+    workers = budget_workers(sc, False)
+    assert workers == 8
+    chosen = select_config(prior_profile(sc), workers).chosen
+    assert chosen.label != "colocated" and 3 <= chosen.n_prefill <= 5
+    split = run_static(sc, Config.split(4, 4), stop_after=6)
+    colocated = run_static(sc, Config.colocated(8), stop_after=6)
+    steps = min(len(split.makespans), len(colocated.makespans))
+    assert steps >= 4
+    assert sum(split.makespans[1:steps]) < sum(colocated.makespans[1:steps])
+    pearl = Simulation(sc, system("pearl").policy(sc))
+    pearl.run()
+    roles = [w.role for w in pearl.cluster.workers if w.engine is not None]
+    assert Role.PREFILL in roles and Role.DECODE in roles
