@@ -7,6 +7,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pearl.controlplane.catalog import default_catalog
 from pearl.controlplane.domain import Mode, Role
 from pearl.controlplane.errors import BadInput
@@ -23,6 +25,7 @@ from pearl.controlplane.predictor import (
     prepare,
 )
 from pearl.controlplane.profile import WorkloadPools, profile_from_workload
+from pearl.controlplane.workload import Workload
 from pearl.sim.scenario import load_scenario
 
 pytestmark = pytest.mark.unit
@@ -262,3 +265,59 @@ def test_a_known_batch_is_timed_by_its_own_slowest_trajectory(prior):
     env[2, 0] = 500.0
     slow = type(sub)(sub.prompt, sub.gen, sub.obs, env, sub.turns, sub.truncated)
     assert predict_batch(p, Config.colocated(2), slow).makespan_s > 500.0
+
+
+# -- properties over random workloads -----------------------------------------------------------------
+
+# Two configurations timed on the same sample differ with ~0.3% noise (policies/switching.py): the
+# orderings below hold up to that.
+NOISE = 0.005
+SHAPES = (("qwen3-8b", "h800", 2), ("qwen3-4b", "h100", 1), ("qwen3-30b-a3b", "h800", 2), ("qwen3-32b", "h200", 4))
+
+
+def _lognormal(draw, low: float, high: float, spread: float) -> dict:
+    median = draw(st.floats(low, high))
+    return {"dist": "lognormal", "median": median, "p99": median * draw(st.floats(1.0, spread))}
+
+
+@st.composite
+def profiles(draw):
+    """A catalog prior of a random agentic workload whose prompts fit the context cap."""
+    model, gpu, tp = draw(st.sampled_from(SHAPES))
+    workload = Workload.model_validate({
+        "batch_size": draw(st.sampled_from([1, 8, 32, 64, 128, 256])),
+        "max_context_tokens": draw(st.sampled_from([8192, 32768])),
+        "turns": {**_lognormal(draw, 1.0, 30.0, 4.0), "max": 64},
+        "prompt_tokens": _lognormal(draw, 50.0, 3000.0, 2.0),
+        "obs_tokens_per_turn": _lognormal(draw, 10.0, 3000.0, 5.0),
+        "gen_tokens_per_turn": _lognormal(draw, 10.0, 3000.0, 4.0),
+        "env_latency_s": _lognormal(draw, 0.001, 10.0, 30.0),
+    })  # fmt: skip
+    cat = default_catalog()
+    return profile_from_workload(workload, PerfModel(cat.model(model), cat.gpu(gpu), tp))
+
+
+def _never_slower(times: list[float]) -> bool:
+    return all(later <= earlier * (1 + NOISE) for earlier, later in zip(times, times[1:], strict=False))
+
+
+@settings(max_examples=15, deadline=None)
+@given(profiles())
+def test_more_workers_or_less_work_left_never_predict_slower(p):
+    colocated = [predict(p, Config.colocated(n)).makespan_s for n in (1, 2, 3, 4, 6, 8, 12)]
+    more_decode = [predict(p, Config.split(2, d)).makespan_s for d in (1, 2, 4, 8)]
+    more_prefill = [predict(p, Config.split(n, 4)).makespan_s for n in (1, 2, 4, 8)]
+    assert all(np.isfinite(t) and t > 0 for t in colocated + more_decode + more_prefill)
+    assert _never_slower(colocated), colocated
+    assert _never_slower(more_decode), more_decode
+    assert _never_slower(more_prefill), more_prefill
+    for config in (Config.colocated(4), Config.split(2, 4)):
+        left = [predict(p, config, remaining_fraction=rf).makespan_s for rf in (1.0, 0.7, 0.4, 0.1)]
+        assert left == sorted(left, reverse=True), (config, left)
+    # the selector's vectorised pass times every split as predict() times it alone
+    n_prefill = np.arange(1, 6, dtype=float)
+    together = evaluate(prepare(p), True, n_prefill, 6 - n_prefill)
+    for i, n in enumerate(n_prefill.astype(int)):
+        alone = predict(p, Config.split(int(n), 6 - int(n)))
+        assert together.makespan_s[i] == pytest.approx(alone.makespan_s, rel=1e-9)
+        assert together.feasible[i] == alone.feasible
