@@ -7,13 +7,15 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pearl.controlplane.catalog import default_catalog
 from pearl.controlplane.domain import Mode
 from pearl.controlplane.errors import BadInput
 from pearl.controlplane.perfmodel import PerfModel
 from pearl.controlplane.predictor import Config, predict
 from pearl.controlplane.profile import profile_from_workload
-from pearl.controlplane.selector import candidates_for, select
+from pearl.controlplane.selector import _continuation, candidates_for, select
 from pearl.policies.switching import SwitchCosts
 from pearl.sim.scenario import load_scenario
 
@@ -139,3 +141,72 @@ def test_current_config_of_a_fleet():
     assert current_config(split) == Config.split(1, 2)
     assert current_config(FleetSnapshot(1, (slot(0, Role.COLOCATED),))) == Config.colocated(1)
     assert current_config(FleetSnapshot(1, ())) is None
+
+
+# -- properties ------------------------------------------------------------------------------------
+
+
+def _profiles():
+    cat = default_catalog()
+    perf = PerfModel(cat.model("qwen3-8b"), cat.gpu("h800"), 2)
+    paper = profile_from_workload(load_scenario(SCENARIOS / "ablation-qwen3-8b-dedicated16.yaml").workload, perf)
+    heavy = profile_from_workload(load_scenario(SCENARIOS / "prefill-heavy-qwen3-8b-dedicated16.yaml").workload, perf)
+    # a small KV cache: splits with few decode workers become infeasible
+    return (paper, heavy, replace(paper, engine=replace(paper.engine, kv_capacity_tokens=200_000)))
+
+
+PROFILES = _profiles()
+
+
+@st.composite
+def configs(draw):
+    n = draw(st.integers(1, 14))
+    if n == 1 or draw(st.booleans()):
+        return Config.colocated(n)
+    p = draw(st.integers(1, n - 1))
+    return Config.split(p, n - p)
+
+
+@st.composite
+def switch_costs(draw):
+    seconds = st.floats(0.0, 300.0)
+    return SwitchCosts(draw(seconds), draw(seconds), draw(seconds), draw(seconds))
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    st.sampled_from(range(len(PROFILES))),
+    st.integers(1, 12),
+    st.none() | configs(),
+    switch_costs(),
+    st.floats(0.0, 7200.0),
+    st.sampled_from([1.0, 0.6, 0.2]),
+)
+def test_selection_properties(which, budget, current, costs, horizon_s, remaining):
+    profile = PROFILES[which]
+    s = select(profile, budget, current, costs=costs, horizon_s=horizon_s, remaining_fraction=remaining)
+    # every candidate of the budget, once: feasible first, by predicted makespan
+    assert sorted(c.config for c in s.candidates) == sorted(candidates_for(budget))
+    feasible = [c for c in s.candidates if c.feasible]
+    assert s.candidates[: len(feasible)] == tuple(feasible)
+    assert [c.predicted_s for c in feasible] == sorted(c.predicted_s for c in feasible)
+    assert all(c.reason for c in s.candidates[len(feasible):])
+    if not feasible:
+        assert s.chosen is None and s.best is None
+        return
+    assert s.best == feasible[0].config
+    assert s.chosen in {c.config for c in feasible} and s.chosen.workers == budget
+    reference = _continuation(current, budget) if current is not None else None
+    if reference is None or reference not in {c.config for c in feasible}:
+        # a forced switch is never blocked: nothing running, or the current shape cannot stay
+        assert s.forced and s.chosen == s.best and s.decision is None
+        return
+    assert s.forced == (reference != current)
+    if s.chosen != reference:
+        # a switch only when the predicted gain beats the threshold derived from the switch cost
+        assert s.decision is not None and s.decision.switch and s.decision.gain_s > s.decision.threshold_s
+        # cheaper actuators never keep a configuration that dearer ones left
+        free = select(profile, budget, current, costs=FREE, horizon_s=horizon_s, remaining_fraction=remaining)
+        assert free.chosen != reference
+    elif reference != s.best:
+        assert s.decision is not None and not s.decision.switch  # kept by hysteresis, with the numbers
