@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import yaml
 from pearl.controlplane.catalog import default_catalog
@@ -28,7 +28,7 @@ class Trace(_Strict):
     """A public spot-trace: GPUs available per tick of `gap_seconds`; past the end the last value holds."""
 
     gap_seconds: float = Field(gt=0)
-    data: tuple[int, ...] = Field(min_length=1)
+    data: tuple[Annotated[int, Field(ge=0)], ...] = Field(min_length=1)  # GPUs available per tick
     source: str = ""
 
     def gpus_at(self, t: float) -> int:
