@@ -22,7 +22,7 @@ from urllib.parse import urlsplit
 import psycopg
 
 from .errors import PearlError
-from .settings import Settings, get_settings, normalise_database_url, redact_url
+from .settings import Settings, check_broker_url, get_settings, normalise_database_url, redact_url
 
 DATABASE = "pearl"  # the database pearl uses inside the embedded server
 _START_TIMEOUT_S = 15.0
@@ -255,7 +255,8 @@ def stop_redis(home: Path) -> bool:
 
 def redis_status(settings: Settings) -> ServiceStatus:
     if settings.broker_url:
-        return ServiceStatus("redis", False, broker_answers(settings.broker_url), redact_url(settings.broker_url))
+        url = check_broker_url(settings.broker_url)
+        return ServiceStatus("redis", False, broker_answers(url), redact_url(url))
     sock = redis_dir(settings.home) / "redis.sock"
     pid = _redis_pid(settings.home)
     return ServiceStatus(
@@ -291,5 +292,5 @@ def broker_url(settings: Settings | None = None) -> str:
     """The Celery broker URL: `PEARL_BROKER_URL`, else the embedded Redis (started now)."""
     settings = settings or get_settings()
     if settings.broker_url:
-        return settings.broker_url
+        return check_broker_url(settings.broker_url)
     return start_redis(settings.home)

@@ -19,6 +19,7 @@ from .errors import BadInput
 
 DEFAULT_HOME = Path("~/.local/share/pearl")
 _POSTGRES_SCHEMES = ("postgresql", "postgres", "postgresql+psycopg", "postgresql+psycopg2")
+_BROKER_SCHEMES = ("redis", "rediss", "redis+socket", "amqp", "amqps", "pyamqp")
 
 
 class Settings(BaseSettings):
@@ -50,11 +51,25 @@ def normalise_database_url(url: str) -> str:
     """The SQLAlchemy URL for psycopg 3, whatever PostgreSQL scheme the user wrote."""
     try:
         parsed = make_url(url)
-    except ArgumentError:
+    except (ArgumentError, ValueError):  # ValueError: a port that is not a number
         raise BadInput(f"PEARL_DATABASE_URL: not a database URL: {redact_url(url)!r}") from None
     if parsed.drivername not in _POSTGRES_SCHEMES:
         raise BadInput(f"PEARL_DATABASE_URL: expected a postgresql:// URL, got {parsed.drivername}://")
+    if parsed.port is not None and not 0 < parsed.port < 65536:
+        raise BadInput(f"PEARL_DATABASE_URL: port {parsed.port} is not between 1 and 65535")
     return parsed.set(drivername="postgresql+psycopg").render_as_string(hide_password=False)
+
+
+def check_broker_url(url: str) -> str:
+    """`url` unchanged if it is a Redis or AMQP URL with a valid port; else BadInput naming PEARL_BROKER_URL."""
+    try:
+        parts = urlsplit(url)
+        if parts.scheme not in _BROKER_SCHEMES:
+            raise BadInput(f"PEARL_BROKER_URL: expected a redis:// or amqp:// URL, got {redact_url(url)!r}")
+        parts.port  # noqa: B018 - parsing the port is the check
+    except ValueError as exc:  # an unparsable host or port
+        raise BadInput(f"PEARL_BROKER_URL: {exc} in {redact_url(url)!r}") from None
+    return url
 
 
 def redact_url(url: str | URL) -> str:
@@ -62,7 +77,10 @@ def redact_url(url: str | URL) -> str:
     text = url.render_as_string(hide_password=False) if isinstance(url, URL) else str(url)
     if not text.startswith(_POSTGRES_SCHEMES):
         # a broker URL (redis://, redis+socket://, amqp://): drop the password by hand
-        parts = urlsplit(text)
+        try:
+            parts = urlsplit(text)
+        except ValueError:
+            return text.split("://", 1)[0] + "://<unparsable>"
         if "@" not in parts.netloc:
             return text
         user, _, host = parts.netloc.rpartition("@")
@@ -70,7 +88,7 @@ def redact_url(url: str | URL) -> str:
         return parts._replace(netloc=f"{user}@{host}" if user else host).geturl()
     try:
         parsed = make_url(text)
-    except ArgumentError:
+    except (ArgumentError, ValueError):
         return text.split("://", 1)[0] + "://<unparsable>"
     scheme = parsed.drivername.split("+", 1)[0]
     user = f"{parsed.username}@" if parsed.username else ""
