@@ -216,3 +216,10 @@ def test_a_fleet_without_a_workload_block_plans_once_telemetry_arrives(pearlctl:
     planned = pearlctl("plan", "--dry-run", "--json")
     assert planned.returncode == 0, planned.stderr
     assert json.loads(planned.stdout)["profile"]["provenance"] == "fitted"
+    # --explain ranks the candidates with the fitted profile and says why one won
+    explained = pearlctl("plan", "--explain", "--dry-run", extra_env={"COLUMNS": "160"})
+    assert explained.returncode == 0, explained.stderr
+    assert "profile: fitted profile (qwen3-8b, h800, tp 2, cuda; row 2, 1 telemetry steps)" in explained.stdout
+    ranking = [line.split()[1] for line in explained.stdout.splitlines() if line[:5].strip().rstrip("*=").isdigit()]
+    assert ranking and set(ranking) <= {"colocated"} | {f"{p}P{len(ranking) - p}D" for p in range(1, len(ranking))}
+    assert "decision: nothing running: start" in explained.stdout
