@@ -10,8 +10,9 @@ from importlib.resources import files
 import pytest
 from alembic import command
 from pearl.controlplane.db import alembic_config, current_revision, head_revision, make_engine
-from plan_support import PEARLCTL
+from plan_support import PEARLCTL, REPO
 from sqlalchemy import Engine, inspect, text
+from sqlalchemy.engine import make_url
 from sqlalchemy.pool import NullPool
 
 pytestmark = pytest.mark.integration
@@ -80,3 +81,27 @@ def test_views_sql_is_what_the_head_migration_installed(db_engine: Engine) -> No
         conn.exec_driver_sql(files("pearl.controlplane").joinpath("sql/views.sql").read_text())
         current = {v: conn.execute(definition, {"v": v}).scalar_one() for v in views}
     assert current == installed
+
+
+def test_the_alembic_command_line_from_the_repository_root(empty_database_url: str,
+                                                            pearlctl_env: dict[str, str]) -> None:
+    # README: `alembic upgrade head`, `downgrade base` and `check` work from the repository root with
+    # pearlctl's settings (alembic.ini -> env.py -> PEARL_DATABASE_URL, whatever postgres scheme it has).
+    alembic = PEARLCTL.with_name("alembic")
+    url = make_url(empty_database_url).set(drivername="postgres").render_as_string(hide_password=False)
+    env = {**pearlctl_env, "PEARL_DATABASE_URL": url}
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        done = subprocess.run([str(alembic), *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        return done
+
+    engine = make_engine(empty_database_url, poolclass=NullPool)
+    run("upgrade", "head")
+    assert current_revision(engine) == head_revision()
+    assert "No new upgrade operations detected" in run("check").stdout
+    run("downgrade", "base")
+    assert current_revision(engine) is None
+    run("upgrade", "head")
+    assert head_revision() in run("current").stdout
+    engine.dispose()
