@@ -64,9 +64,13 @@ def test_embedded_servers_start_once_and_serve_the_whole_workflow(embedded_home)
     assert stopped == {"stopped": {"postgresql": True, "redis": True}}
     after = json.loads(run(env, "db", "status", "--json").stdout)
     assert not after["postgresql"]["running"] and not after["redis"]["running"]
-    # the data outlives the server
+    # `db start` brings both back, and the data outlived the server
+    started = json.loads(run(env, "db", "start", "--json").stdout)
+    assert started["postgresql"]["running"] and started["postgresql"]["embedded"]
+    assert started["redis"]["running"] and started["redis"]["embedded"]
     again = json.loads(run(env, "status", "--json").stdout)
     assert again["state_version"] == status["state_version"]
+    assert json.loads(run(env, "db", "status", "--json").stdout)["postgresql"]["pid"] == started["postgresql"]["pid"]
 
 
 def test_configured_urls_start_nothing_embedded(embedded_home, database_url: str, broker_url: str) -> None:
