@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 
 import pytest
+from pearl.policies.base import Policy
 from pearl.sim.availability import availability_changes
+from pearl.sim.runner import Simulation
 from pearl.sim.scenario import load_scenario
+from pearl.sim.systems import system
 
 pytestmark = pytest.mark.unit
 
@@ -55,3 +59,43 @@ def test_the_shipped_trace_replays_with_its_mean(tmp_path):
             i += 1
         series.append(level * sc.tp)
     assert sum(series) / ticks == pytest.approx(sc.mean_preemptible_gpus())
+
+
+@dataclass
+class Recorded:
+    """A policy that logs every call it answers: (signals, snapshot, target)."""
+
+    inner: Policy
+    log: list = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return self.inner.name
+
+    def initial_memory(self):
+        return self.inner.initial_memory()
+
+    def decide(self, snapshot, signals, memory):
+        target, memory = self.inner.decide(snapshot, signals, memory)
+        self.log.append((signals, snapshot, target))
+        return target, memory
+
+
+@pytest.mark.parametrize("name", ["rlboost-plus", "pearl"])
+def test_decisions_before_a_trace_change_do_not_depend_on_what_follows_it(tmp_path, name):
+    # two traces equal for the first 20 minutes (grants and a notice), then a rise in one and a drop in the other
+    prefix = [8] * 5 + [4] * 5 + [10] * 10
+    logs = []
+    for i, rest in enumerate(([12] * 20, [2] * 20)):
+        (tmp_path / str(i)).mkdir()
+        sc = _scenario(tmp_path / str(i), prefix + rest, duration=2400)
+        policy = Recorded(system(name).policy(sc))
+        Simulation(sc, policy).run()
+        logs.append(policy.log)
+    split = 20 * 60.0
+    before = [[call for call in log if call[0].now < split] for log in logs]
+    assert before[0] == before[1]
+    events = {e for signals, _, _ in before[0] for e in signals.event.split(",")}
+    assert {"start", "grant", "notice", "rollout_end"} <= events
+    after = [[call for call in log if call[0].now >= split] for log in logs]
+    assert after[0] and after[1] and after[0] != after[1]  # the traces do differ from then on
