@@ -11,8 +11,9 @@ import pytest
 from pearl.controlplane.cluster import import_inventory
 from pearl.controlplane.db import transaction
 from pearl.controlplane.domain import Role
+from pearl.controlplane.errors import IllegalTransition
 from pearl.controlplane.inventory import parse_inventory
-from pearl.controlplane.transitions import StateConflict, lock_fleet, start_worker
+from pearl.controlplane.transitions import StateConflict, begin_release, finish_release, lock_fleet, start_worker
 from plan_support import in_threads
 from sqlalchemy import Engine, text
 
@@ -75,6 +76,45 @@ def test_two_transactions_binding_one_gpu_by_raw_sql_exactly_one_wins(cluster_en
     first.close()
     t.join(timeout=30)
     assert second_result == [0]
+
+
+def test_trainer_and_borrower_racing_for_an_overlap_gpu_by_raw_sql_exactly_one_wins(cluster_engine: Engine) -> None:
+    # No compare-and-set in either writer: the transition trigger alone must refuse the loser, whichever
+    # commits first (free -> training then training -> borrowed, or free -> borrowed then borrowed -> training).
+    with cluster_engine.connect() as conn:
+        worker = conn.execute(text("SELECT w.id FROM workers w JOIN nodes n ON n.id = w.node_id "
+                                   "WHERE n.name = 'train-0' AND w.slot = 0")).scalar_one()
+
+    def train() -> str:
+        with transaction(cluster_engine, actor="trainer") as session:
+            session.execute(text("UPDATE gpus SET state = 'training' WHERE slot_id = :w"), {"w": worker})
+        return "training"
+
+    def borrow() -> str:
+        with transaction(cluster_engine, actor="borrower") as session:
+            session.execute(text("UPDATE gpus SET state = 'borrowed', worker_id = slot_id WHERE slot_id = :w"),
+                            {"w": worker})
+            session.execute(text("UPDATE workers SET activity = 'transitioning', role = 'decode' WHERE id = :w"),
+                            {"w": worker})
+        return "borrowed"
+
+    for _ in range(6):
+        results = in_threads(train, borrow)
+        won = [r for r in results if isinstance(r, str)]
+        assert len(won) == 1 and any(isinstance(r, IllegalTransition) for r in results), results
+        with cluster_engine.connect() as conn:
+            held = conn.execute(text("SELECT state, worker_id FROM gpus WHERE slot_id = :w"), {"w": worker}).all()
+            activity = conn.execute(text("SELECT activity FROM workers WHERE id = :w"), {"w": worker}).scalar_one()
+        if won[0] == "training":
+            assert [tuple(h) for h in held] == [("training", None)] * 2 and activity == "inactive"
+            with transaction(cluster_engine) as session:  # reset: the optimizer step ends
+                session.execute(text("UPDATE gpus SET state = 'free' WHERE slot_id = :w"), {"w": worker})
+        else:
+            assert [tuple(h) for h in held] == [("borrowed", worker)] * 2 and activity == "transitioning"
+            with transaction(cluster_engine) as session:  # reset: the worker gives the GPUs back
+                begin_release(session, worker)
+            with transaction(cluster_engine) as session:
+                finish_release(session, worker)
 
 
 def _flipper(engine: Engine, first: int, second: int, lock_first: bool) -> Callable[[], str]:
