@@ -7,10 +7,12 @@ from dataclasses import dataclass
 
 import pytest
 from pearl.policies.base import NoMemory, colocated
+from pearl.policies.baselines import StaticSplit
 from pearl.policies.borrowing import borrowable
 from pearl.policies.elasticity import dedicated_capacity
+from pearl.sim.engine import Engine
 from pearl.sim.experiments import run_system
-from pearl.sim.runner import Simulation
+from pearl.sim.runner import EV_KV, Simulation
 from pearl.sim.scenario import load_scenario
 from pearl.sim.systems import system
 from pearl.sim.trajectories import sample_batch
@@ -190,3 +192,37 @@ def test_a_paused_run_can_be_copied_and_resumed():
     sim.advance(sim.sc.duration_s)
     results = [_without_time(r.as_dict()) for r in (fork.finish(), sim.finish())]
     assert results[0] == results[1] == _without_time(whole)
+
+
+
+def test_split_kv_moves_over_the_prefill_workers_nic_one_transfer_at_a_time(monkeypatch):
+    # 8 dedicated GPUs of tp 2: 1 prefill worker, 3 decode workers; every KV leaves through one NIC
+    sc = load_scenario("ablation-qwen3-8b-dedicated8", ["duration_s=600", "workload.batch_size=32"])
+    sim = Simulation(sc, StaticSplit(1))
+    sent = {}  # request seq -> (prefill engine, sent at, arrives at, transfer seconds)
+    joined = {}  # request seq -> when its decode worker took it
+    push, join = sim.push, Engine.join
+
+    def recording_push(t, kind, a=None, b=None):
+        if kind == EV_KV:
+            sent[a.seq] = (a.prefill_engine, sim.now, t, sim.perf.kv_transfer_time(a.context))
+        push(t, kind, a, b)
+
+    def recording_join(engine, req, now):
+        joined[req.seq] = now
+        return join(engine, req, now)
+
+    sim.push = recording_push
+    monkeypatch.setattr(Engine, "join", recording_join)
+    r = sim.run()
+    assert r.rollout_steps > 0 and len({e for e, *_ in sent.values()}) == 1
+    assert len(sent) > 100 and {seq: at for seq, (_, _, at, _) in sent.items() if seq in joined} == joined
+    free, waited = 0.0, 0
+    for _, sent_at, arrives, transfer_s in sorted(sent.values(), key=lambda x: x[2]):
+        start = arrives - transfer_s
+        assert transfer_s > 0 and start >= max(sent_at, free) - 1e-9  # after the prefill, one at a time
+        waited += start > sent_at + 1e-9
+        free = arrives
+    assert waited > 0  # the NIC was busy at times: contention, not a fixed delay
+    decoded, held = sim.token_balance()
+    assert decoded == held
