@@ -226,3 +226,25 @@ def test_split_kv_moves_over_the_prefill_workers_nic_one_transfer_at_a_time(monk
     assert waited > 0  # the NIC was busy at times: contention, not a fixed delay
     decoded, held = sim.token_balance()
     assert decoded == held
+
+
+def test_each_turn_waits_for_its_environment_before_the_next():
+    sim = _sim("roll", ["duration_s=900"])
+    ended, resumed = {}, {}
+    turn_done, resume = sim._turn_done, sim._resume
+
+    def recording_turn_done(traj, engine):
+        ended[traj.id, traj.turn] = sim.now
+        turn_done(traj, engine)
+
+    def recording_resume(traj):
+        resumed[traj.id, traj.turn] = sim.now
+        resume(traj)
+
+    sim._turn_done, sim._resume = recording_turn_done, recording_resume
+    sim.run()
+    trajectories = {t.id: t for step in range(sim.trainer.rollout_step + 1)
+                    for t in sample_batch(sim.sc.workload, sim.sc.seed, step)}
+    assert len(resumed) > 1000
+    for (tid, turn), at in resumed.items():
+        assert at - ended[tid, turn] == pytest.approx(trajectories[tid].env_s[turn], abs=1e-9)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from pearl.controlplane.telemetry import StepTelemetry
 from pearl.sim.scenario import load_scenario
@@ -81,3 +82,22 @@ def test_records_validate_as_telemetry(workload):
     tel = StepTelemetry(step=0, batch_size=len(batch), trajectories=[t.record() for t in batch])
     assert sum(r.total_tokens for r in tel.trajectories) == sum(t.total_tokens for t in batch)
     assert all(t.metric_tokens == t.generated_tokens + t.total_tokens for t in batch)
+
+
+def test_turns_tokens_and_environment_waits_follow_the_scenarios_distributions():
+    w = load_scenario("paper-qwen3-8b-seg1", ["workload.max_context_tokens=100000000"]).workload  # no truncation
+    batch = [t for step in range(40) for t in sample_batch(w, 1, step)]
+    turns = np.array([t.turns for t in batch])
+    env = np.concatenate([t.env_s for t in batch])
+    gen = np.concatenate([t.gen for t in batch])
+    obs = np.concatenate([t.obs for t in batch])
+    assert np.median(turns) == pytest.approx(w.turns.median, rel=0.1) and turns.max() <= w.turns.max
+    for sampled, dist in ((env, w.env_latency_s), (gen, w.gen_tokens_per_turn), (obs, w.obs_tokens_per_turn)):
+        assert np.median(sampled) == pytest.approx(dist.median, rel=0.05)
+        assert np.quantile(sampled, 0.99) == pytest.approx(dist.p99, rel=0.1)
+    other = load_scenario("paper-qwen3-8b-seg1", [
+        "workload.env_latency_s={dist: empirical, values: [0.5, 7]}", "workload.turns={dist: uniform, low: 2, high: 4}",
+    ]).workload
+    batch = [t for step in range(4) for t in sample_batch(other, 1, step)]
+    assert {e for t in batch for e in t.env_s} == {0.5, 7.0}
+    assert {t.turns for t in batch if not t.truncated} <= {2, 3, 4}
