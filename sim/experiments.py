@@ -24,8 +24,12 @@ def run_system(scenario: Scenario, name: str, progress: Progress | None = None) 
     cluster = chosen.cluster(scenario)
     report = (lambda t: progress(name, t)) if progress is not None else None
     if chosen.run is not None:
-        return chosen.run(cluster, report)
-    return simulate(cluster, chosen.policy(cluster), report)
+        result = chosen.run(cluster, report)
+    else:
+        result = simulate(cluster, chosen.policy(cluster), report)
+    if progress is not None:  # the run reports at events, at most once a simulated minute: now it is over
+        progress(name, scenario.duration_s)
+    return result
 
 
 @dataclass

@@ -158,6 +158,8 @@ def search(scenario: Scenario, progress: Callable[[float], None] | None = None) 
     while sim.now < sim.sc.duration_s:
         if sim.held_back:
             sim, _ = _best_step(sim)
+            if progress is not None:  # the forks report nothing; the chosen one has reached here
+                progress(sim.now)
             continue
         sim.advance(sim.sc.duration_s)  # the trainer holds the next step back: play on until it begins
         if not sim.halted:

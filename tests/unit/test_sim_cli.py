@@ -136,3 +136,18 @@ def test_runs_are_identical_across_processes(tmp_path, policy):
         data.pop("wall_s")
         outputs.append(data)
     assert outputs[0] == outputs[1]
+
+
+def test_a_terminal_gets_a_progress_bar_per_system_that_reaches_the_end(cli, monkeypatch):
+    import io
+    import re
+
+    from rich.console import Console
+
+    screen = io.StringIO()
+    monkeypatch.setattr("pearl.cli.sim.err", Console(file=screen, force_terminal=True, width=100))
+    res = cli("sim", "compare", "--scenario", "paper-qwen3-8b-seg1", *TINY, "--json")
+    assert res.exit_code == 0 and json.loads(res.stdout)["systems"].keys() == SYSTEMS
+    plain = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", screen.getvalue())
+    last = dict(re.findall(r"([a-z-]+) [━╺╸ ]+ *(\d+)%", plain))  # each bar's latest state
+    assert last == {name: "100" for name in SYSTEMS}

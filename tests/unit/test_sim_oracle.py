@@ -191,3 +191,11 @@ def test_the_ceiling_bounds_the_oracle_and_times_a_lone_trajectory():
     bound = ceiling(sc)
     assert bound.tokens_per_s >= run_oracle(sc).tokens_per_s
     assert bound.training_steps == len(bound.floors_s) > 0 and min(bound.floors_s) > 0
+
+
+def test_the_oracles_search_reports_its_progress_step_by_step():
+    sc = load_scenario("paper-qwen3-8b-seg2", TINY)
+    seen: list[float] = []
+    r = run_oracle(sc, seen.append)
+    assert len(seen) >= r.rollout_steps  # once per step it chose, not only at the end
+    assert seen == sorted(seen) and 0 < seen[0] and seen[-1] <= sc.duration_s
