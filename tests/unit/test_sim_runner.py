@@ -248,3 +248,21 @@ def test_each_turn_waits_for_its_environment_before_the_next():
     assert len(resumed) > 1000
     for (tid, turn), at in resumed.items():
         assert at - ended[tid, turn] == pytest.approx(trajectories[tid].env_s[turn], abs=1e-9)
+
+
+def test_every_server_syncs_the_new_weights_after_each_training_step():
+    sim = _sim("rlboost-plus")
+    sync_s = sim.sc.training.weight_sync_s
+    synced = []
+    training_end = sim._training_end
+
+    def checked_training_end():
+        training_end()
+        engines = [w for w in sim.cluster.workers if w.engine is not None]
+        assert engines and all(w.weights_version == sim.trainer.trained for w in engines)
+        assert all(w.engine.paused_until == pytest.approx(sim.now + sync_s) for w in engines)  # no iteration before
+        synced.append(sim.now)
+
+    sim._training_end = checked_training_end
+    r = sim.run()
+    assert sync_s > 0 and len(synced) == r.training_steps > 0
