@@ -197,15 +197,23 @@ def test_status_tables_and_watch(pearlctl, database_url: str, pearlctl_env: dict
 
     # --watch refreshes until interrupted: a change made while it runs shows in what it draws last
     env = {**pearlctl_env, "PEARL_DATABASE_URL": database_url}
+    # SIGINT at its default: a test run started in the background inherits it ignored
     watch = subprocess.Popen([str(PEARLCTL), "status", "--watch", "--interval", "0.2"], env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(2.5)
-    engine = create_engine(database_url, poolclass=NullPool)
-    with engine.begin() as conn:
-        conn.execute(text("UPDATE gpus SET state = 'lost' WHERE id = 1"))
-    engine.dispose()
-    time.sleep(1.5)
-    watch.send_signal(signal.SIGINT)
-    out, errors = watch.communicate(timeout=30)
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    with watch:
+        try:
+            time.sleep(2.5)
+            engine = create_engine(database_url, poolclass=NullPool)
+            with engine.begin() as conn:
+                conn.execute(text("UPDATE gpus SET state = 'lost' WHERE id = 1"))
+            engine.dispose()
+            time.sleep(1.5)
+            watch.send_signal(signal.SIGINT)
+            out, errors = watch.communicate(timeout=30)
+        finally:
+            if watch.poll() is None:  # it did not stop: end it, so no process or pipe outlives the test
+                watch.kill()
+                watch.communicate()
     assert watch.returncode == 0, errors
     assert "lost" in out and "state_version 49" in out
