@@ -5,7 +5,7 @@ preemptible GPUs), and with `--model qwen3-30b-a3b` the same with that model and
 reconfiguration figures of its paper scenarios (`--set`).
 Per setting: tokens/s of the baseline (`rlboost-plus`, which equals `roll` without preemptible
 GPUs), `pearl-pd-only`, `pearl-ungated`, `pearl-forced-split` and `pearl`, all measured in the same
-run, and each one's gain over the baseline beside the paper's (method.md): at 4 rollout GPUs,
+run, and each one's gain over the baseline beside the paper's (docs/method.md): at 4 rollout GPUs,
 forcing a split -20.6% (8B) / -30.9% (30B-A3B), borrowing +93.6% / +118.3%, borrowing with the gate
 +92.3% / +129.5%; at 8-16 rollout GPUs, PD alone +7.8-15.3% and everything +9.2-27.5% (per model
 not given). Mean rollout-step makespans are reported too (the metric counts whole trained steps):
@@ -34,7 +34,7 @@ MEANING = {
     "pearl": "borrowing with the gate (everything)",
     "pearl-pd-only": "PD adaptation alone",
 }
-PAPER = {  # gain over the baseline, method.md
+PAPER = {  # gain over the baseline, docs/method.md
     ("qwen3-8b", 4): {"pearl-forced-split": -0.206, "pearl-ungated": 0.936, "pearl": 0.923},
     ("qwen3-30b-a3b", 4): {"pearl-forced-split": -0.309, "pearl-ungated": 1.183, "pearl": 1.295},
 }

@@ -23,14 +23,14 @@ from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
-from pearl.controlplane.catalog import default_catalog
-from pearl.controlplane.domain import Activity, Role, WorkerZone
-from pearl.controlplane.fleet import FleetSnapshot, Target, WorkerSlot
-from pearl.controlplane.orchestrator import orchestrate
-from pearl.controlplane.perfmodel import PerfModel
-from pearl.controlplane.predictor import Config, makespan_colocated_paper, makespan_disaggregated_paper, prepare
-from pearl.controlplane.profile import profile_from_workload
-from pearl.controlplane.selector import select
+from pearl.controlplane.core.catalog import default_catalog
+from pearl.controlplane.core.domain import Activity, Role, WorkerZone
+from pearl.controlplane.core.fleet import FleetSnapshot, Target, WorkerSlot
+from pearl.controlplane.core.orchestrator import orchestrate
+from pearl.controlplane.core.perfmodel import PerfModel
+from pearl.controlplane.core.predictor import Config, makespan_colocated_paper, makespan_disaggregated_paper, prepare
+from pearl.controlplane.core.profile import profile_from_workload
+from pearl.controlplane.core.selector import select
 from pearl.sim.scenario import load_scenario
 
 SCENARIO = Path(__file__).resolve().parents[1] / "sim" / "scenarios" / "paper-qwen3-8b-seg1.yaml"

@@ -1,4 +1,4 @@
-"""The simulated engine against calibration.md's measured serving figures (sim/calibration.py).
+"""The simulated engine against docs/calibration.md's measured serving figures (sim/calibration.py).
 
 Prints one JSON object: each anchor's measured figure, what the engine achieves on its load, and
 the deviation (achieved / measured - 1). The engine is never tuned to these: this is the report.

@@ -26,7 +26,7 @@ from pearl.sim.experiments import compare
 from pearl.sim.scenario import load_scenario
 
 SCENARIOS = [f"paper-qwen3-{m}-seg{s}" for m in ("8b", "30b-a3b") for s in (1, 2, 3)]
-# method.md: pearl vs roll is given as a range per model; vs rlboost-plus per segment
+# docs/method.md: pearl vs roll is given as a range per model; vs rlboost-plus per segment
 PAPER_VS_ROLL = {"8b": (2.17, 2.37), "30b-a3b": (2.43, 2.79)}
 PAPER_VS_RLBOOST = {"8b": (1.058, 1.269, 1.106), "30b-a3b": (1.074, 1.363, 1.190)}
 TARGET_VS_ROLL = {"8b": 2.17, "30b-a3b": 2.43}

@@ -25,8 +25,8 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
-from pearl.controlplane.predictor import Config, predict, predict_paper
-from pearl.controlplane.telemetry import StepTelemetry
+from pearl.controlplane.core.predictor import Config, predict, predict_paper
+from pearl.controlplane.core.telemetry import StepTelemetry
 from pearl.sim.ratio import StaticRun, fit_from_run, prior_profile, run_static
 from pearl.sim.scenario import Scenario, load_scenario
 

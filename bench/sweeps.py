@@ -6,7 +6,7 @@ Prints one JSON object. Every setting is paper-qwen3-8b-seg1 with one key overri
 same run, pearl's gain, each one's mean rollout-step makespan, and `makespan_gain` over the
 `makespan_gain_steps` steps both completed (the same batches; the metric counts whole trained steps,
 the makespan shows the finer difference), and the paper's range beside it
-(method.md: +5.3-63.7% over rlboost-plus across batch sizes, +9.8-26.5% across maximum lengths).
+(docs/method.md: +5.3-63.7% over rlboost-plus across batch sizes, +9.8-26.5% across maximum lengths).
 """
 
 from __future__ import annotations

@@ -21,12 +21,12 @@ import json
 import os
 import time
 
-from pearl.controlplane.predictor import Config
+from pearl.controlplane.core.predictor import Config
 from pearl.sim.ratio import RatioResult, ratio
 from pearl.sim.scenario import load_scenario
 
 GPUS = (10, 12, 16)
-# method.md: the paper's Table 2 (selected; best where it differs)
+# docs/method.md: the paper's Table 2 (selected; best where it differs)
 PAPER = {
     (10, False): ("2P3D", "2P3D"),
     (10, True): ("4P9D", "5P8D"),

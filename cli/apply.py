@@ -6,9 +6,9 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 import typer
-from pearl.controlplane.db import make_engine, require_schema, transaction
 from pearl.controlplane.errors import BadInput, StepFailed
-from pearl.controlplane.plans import abort, apply, plan_summary, step_counts, wait_plan
+from pearl.controlplane.store.db import make_engine, require_schema, transaction
+from pearl.controlplane.store.plan_store import abort, apply, plan_summary, step_counts, wait_plan
 
 from .common import emit_json, err, handle_errors, out
 

@@ -1,4 +1,4 @@
-"""`pearlctl cluster import FILE.yaml`: load an inventory (design.md format), all or nothing."""
+"""`pearlctl cluster import FILE.yaml`: load an inventory (docs/formats.md), all or nothing."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from pearl.controlplane.cluster import import_inventory
-from pearl.controlplane.db import make_engine, require_schema, transaction
-from pearl.controlplane.inventory import load_inventory
+from pearl.controlplane.core.inventory import load_inventory
+from pearl.controlplane.store.db import make_engine, require_schema, transaction
+from pearl.controlplane.store.inventory_import import import_inventory
 
 from .common import emit_json, handle_errors, out
 

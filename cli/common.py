@@ -1,6 +1,6 @@
 """What every command shares: error mapping to exit codes, JSON output, the stderr console.
 
-Exit codes (design.md): 0 success, 2 bad input (arguments, files, events), 1 other failures.
+Exit codes (docs/formats.md): 0 success, 2 bad input (arguments, files, events), 1 other failures.
 `--json` prints one JSON object on stdout and nothing else there; progress and logs go to stderr.
 """
 

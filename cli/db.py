@@ -10,7 +10,7 @@ from dataclasses import asdict
 from typing import Annotated
 
 import typer
-from pearl.controlplane.embedded import (
+from pearl.controlplane.services.embedded import (
     ServiceStatus,
     broker_url,
     database_url,
@@ -19,7 +19,7 @@ from pearl.controlplane.embedded import (
     stop_postgres,
     stop_redis,
 )
-from pearl.controlplane.settings import get_settings, redact_url
+from pearl.controlplane.services.settings import get_settings, redact_url
 from rich.table import Table
 
 from .common import emit_json, handle_errors, out

@@ -8,10 +8,10 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from pearl.controlplane.db import make_engine, require_schema
+from pearl.controlplane.core.telemetry import load_telemetry
 from pearl.controlplane.errors import BadInput
-from pearl.controlplane.telemetry import load_telemetry
-from pearl.controlplane.telemetry_ingest import ingest_telemetry
+from pearl.controlplane.store.db import make_engine, require_schema
+from pearl.controlplane.store.telemetry_store import ingest_telemetry
 
 from .common import emit_json, handle_errors, out
 
@@ -25,7 +25,7 @@ def register(app: typer.Typer) -> None:
 @event_app.command("telemetry")
 @handle_errors
 def telemetry(
-    file: Annotated[Path, typer.Argument(help="One rollout step's telemetry (JSON, design.md format).")],
+    file: Annotated[Path, typer.Argument(help="One rollout step's telemetry (JSON, docs/formats.md).")],
     makespan_s: Annotated[float | None, typer.Option(
         "--makespan-s", help="The step's measured makespan: T_over is refit against the running configuration.")]
     = None,

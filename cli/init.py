@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
-from pearl.controlplane.db import current_revision, make_engine, upgrade
-from pearl.controlplane.settings import redact_url
+from pearl.controlplane.services.settings import redact_url
+from pearl.controlplane.store.db import current_revision, make_engine, upgrade
 
 from .common import emit_json, handle_errors, out
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
-from pearl.controlplane.db import make_engine, require_schema
-from pearl.controlplane.planning import Planned, plan, written_plan
+from pearl.controlplane.store.db import make_engine, require_schema
+from pearl.policies.live.policy_pass import Planned, plan, written_plan
 from rich.table import Table
 from rich.text import Text
 

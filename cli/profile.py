@@ -6,13 +6,13 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
-from pearl.controlplane.catalog import default_catalog
-from pearl.controlplane.db import make_engine, require_schema, transaction
+from pearl.controlplane.core.catalog import default_catalog
+from pearl.controlplane.core.perfmodel import PerfModel
+from pearl.controlplane.core.profile import ProfileKey
 from pearl.controlplane.errors import BadInput
-from pearl.controlplane.kernels import CPU_SCALE, MeasureSpec, ffn_width, import_torch, measure
-from pearl.controlplane.perfmodel import PerfModel
-from pearl.controlplane.profile import ProfileKey
-from pearl.controlplane.profiles import save_measured
+from pearl.controlplane.measure.kernels import CPU_SCALE, MeasureSpec, ffn_width, import_torch, measure
+from pearl.controlplane.store.db import make_engine, require_schema, transaction
+from pearl.controlplane.store.profile_store import save_measured
 
 from .common import emit_json, err, handle_errors, out
 

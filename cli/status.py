@@ -6,13 +6,12 @@ import time
 from typing import Annotated, Any
 
 import typer
-from pearl.controlplane.db import make_engine, require_schema, transaction
-from pearl.controlplane.status import fleet_status
+from pearl.controlplane.store.db import make_engine, require_schema
+from pearl.controlplane.store.fleet_status import read_fleet_status
 from rich.console import Group
 from rich.live import Live
 from rich.table import Table
 from rich.text import Text
-from sqlalchemy import Engine
 
 from .common import emit_json, handle_errors, out
 
@@ -22,11 +21,6 @@ _STATE_STYLE = {"free": "green", "bound": "cyan", "borrowed": "magenta", "traini
 
 def register(app: typer.Typer) -> None:
     app.command("status")(status)
-
-
-def _read(engine: Engine) -> dict[str, Any]:
-    with transaction(engine, isolation_level="REPEATABLE READ") as session:
-        return fleet_status(session)
 
 
 def render(s: dict[str, Any]) -> Group:
@@ -74,15 +68,15 @@ def status(
     try:
         require_schema(engine)
         if as_json:
-            emit_json(_read(engine))
+            emit_json(read_fleet_status(engine))
         elif not watch:
-            out.print(render(_read(engine)))
+            out.print(render(read_fleet_status(engine)))
         else:
-            with Live(render(_read(engine)), console=out, auto_refresh=False) as live:
+            with Live(render(read_fleet_status(engine)), console=out, auto_refresh=False) as live:
                 try:
                     while True:
                         time.sleep(interval)
-                        live.update(render(_read(engine)), refresh=True)
+                        live.update(render(read_fleet_status(engine)), refresh=True)
                 except KeyboardInterrupt:
                     pass
     finally:

@@ -1,7 +1,7 @@
 """Alembic environment for pearl.
 
 The URL is the one `pearlctl` uses (`PEARL_DATABASE_URL`, else the embedded server), or the one
-`pearl.controlplane.db.upgrade` passes in. Upgrades take a transaction-scoped advisory lock first, so
+`pearl.controlplane.store.db.upgrade` passes in. Upgrades take a transaction-scoped advisory lock first, so
 concurrent `pearlctl init` / `alembic upgrade` runs apply each migration once.
 """
 
@@ -10,8 +10,8 @@ from __future__ import annotations
 from logging.config import fileConfig
 
 from alembic import context
-from pearl.controlplane.embedded import database_url
-from pearl.controlplane.schema import Base
+from pearl.controlplane.services.embedded import database_url
+from pearl.controlplane.store.schema import Base
 from sqlalchemy import create_engine, pool, text
 
 MIGRATION_LOCK = 0x7065_6172_6C  # "pearl": the advisory lock key that serialises migrations

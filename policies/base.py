@@ -13,9 +13,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from pearl.controlplane.domain import Role
-from pearl.controlplane.fleet import FleetSnapshot, Target
-from pearl.controlplane.telemetry import StepTelemetry
+from pearl.controlplane.core.domain import Role
+from pearl.controlplane.core.fleet import FleetSnapshot, Target
+from pearl.controlplane.core.telemetry import StepTelemetry
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,7 @@ class Signals:
 
     @property
     def remaining_fraction(self) -> float:
-        """R/B of the borrowing gate (method.md)."""
+        """R/B of the borrowing gate (docs/method.md)."""
         return self.remaining / self.batch_size if self.batch_size else 0.0
 
 

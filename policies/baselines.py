@@ -1,4 +1,4 @@
-"""The baselines of method.md, as policies in the same interface as pearl's.
+"""The baselines of docs/method.md, as policies in the same interface as pearl's.
 
 They are honest: the same simulator, engine, router and reconfiguration costs (every change goes
 through the orchestrator and the executor like pearl's), and they run colocated, as the paper's do.
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pearl.controlplane.core.fleet import FleetSnapshot, Target
 from pearl.controlplane.errors import BadInput
-from pearl.controlplane.fleet import FleetSnapshot, Target
 
 from .base import NoMemory, Signals, colocated, split
 from .elasticity import dedicated_capacity

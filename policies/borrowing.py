@@ -1,6 +1,6 @@
 """Borrowing the idle training GPUs between optimizer steps: the gate and the mandatory return.
 
-The gate (method.md): with R of B trajectories of the step still unfinished, T_ded the predicted
+The gate (docs/method.md): with R of B trajectories of the step still unfinished, T_ded the predicted
 makespan on the dedicated workers alone and T_full with the overlap workers added, borrow only if
 
     (R/B) * (T_ded - T_full) > T_toggle,
@@ -18,8 +18,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from pearl.controlplane.core.fleet import FleetSnapshot, WorkerSlot
 from pearl.controlplane.errors import BadInput
-from pearl.controlplane.fleet import FleetSnapshot, WorkerSlot
 
 from .base import Signals
 from .elasticity import overlap_capacity
@@ -62,7 +62,7 @@ class GateDecision:
 
 
 def gate(remaining_fraction: float, t_dedicated_s: float, t_full_s: float, toggle: ToggleCost) -> GateDecision:
-    """The borrowing gate of method.md."""
+    """The borrowing gate of docs/method.md."""
     if not 0 <= remaining_fraction <= 1:
         raise BadInput(f"remaining_fraction: must be in [0, 1], got {remaining_fraction}")
     for name, v in (("t_dedicated_s", t_dedicated_s), ("t_full_s", t_full_s)):

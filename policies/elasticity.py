@@ -12,8 +12,8 @@ and admits the whole expansion group at once, all-or-nothing.
 
 from __future__ import annotations
 
-from pearl.controlplane.domain import WorkerZone
-from pearl.controlplane.fleet import FleetSnapshot, WorkerSlot
+from pearl.controlplane.core.domain import WorkerZone
+from pearl.controlplane.core.fleet import FleetSnapshot, WorkerSlot
 
 
 def dedicated_capacity(snapshot: FleetSnapshot) -> tuple[WorkerSlot, ...]:

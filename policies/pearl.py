@@ -10,7 +10,7 @@ Each call:
    under a notice leaves the target at once and is drained before the notice runs out, partial
    trajectories kept) plus, when borrowable, the overlap slots (none while an optimizer step runs
    or the trainer wants its GPUs back: the return is mandatory);
-3. gates borrowing (method.md): with T_ded and T_full the predicted makespans of a step on the
+3. gates borrowing (docs/method.md): with T_ded and T_full the predicted makespans of a step on the
    dedicated slots alone and with the overlap slots added, borrow iff (R/B)(T_ded - T_full) >
    T_toggle: R/B scales the whole-step difference to the work left, as the method writes it.
    Each is the makespan of the configuration the selector would run on that budget (its choice
@@ -45,21 +45,21 @@ from dataclasses import asdict, dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 
-from pearl.controlplane.domain import Activity, Mode
+from pearl.controlplane.core.domain import Activity, Mode
+from pearl.controlplane.core.fleet import FleetSnapshot, Target
+from pearl.controlplane.core.perfmodel import PerfModel
+from pearl.controlplane.core.predictor import Config, predict
+from pearl.controlplane.core.profile import Profile, profile_from_dict, profile_from_workload, profile_to_dict
+from pearl.controlplane.core.selector import Candidate, Selection, current_config, select
+from pearl.controlplane.core.switching import SwitchCosts, decide_switch
+from pearl.controlplane.core.tracker import fit_profile
+from pearl.controlplane.core.workload import Workload
 from pearl.controlplane.errors import BadInput
-from pearl.controlplane.fleet import FleetSnapshot, Target
-from pearl.controlplane.perfmodel import PerfModel
-from pearl.controlplane.predictor import Config, predict
-from pearl.controlplane.profile import Profile, profile_from_dict, profile_from_workload, profile_to_dict
-from pearl.controlplane.selector import Candidate, Selection, current_config, select
-from pearl.controlplane.tracker import fit_profile
-from pearl.controlplane.workload import Workload
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from .base import Signals, colocated, split
 from .borrowing import GateDecision, ToggleCost, borrowable, gate, toggle_cost_prior
 from .elasticity import dedicated_capacity
-from .switching import SwitchCosts, decide_switch
 
 MIXED = "mixed"  # the step ran at more than one configuration: its makespan says nothing about T_over
 
@@ -67,7 +67,7 @@ MIXED = "mixed"  # the step ran at more than one configuration: its makespan say
 class Borrow(StrEnum):
     """When the policy borrows the training GPUs between optimizer steps."""
 
-    GATED = "gated"  # the borrowing gate of method.md
+    GATED = "gated"  # the borrowing gate of docs/method.md
     NEVER = "never"  # pearl-pd-only
     ALWAYS = "always"  # pearl-ungated: whenever they are idle
 

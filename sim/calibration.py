@@ -1,4 +1,4 @@
-"""The simulated engine run on the load of each measured serving figure of calibration.md.
+"""The simulated engine run on the load of each measured serving figure of docs/calibration.md.
 
 The engine adds serving mechanics (continuous batching, chunked prefill pausing decode, KV admission
 and retraction, prefix cache) to the fixed performance model; these runs say how close the result
@@ -26,9 +26,9 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-from pearl.controlplane.catalog import default_catalog
-from pearl.controlplane.domain import Role
-from pearl.controlplane.perfmodel import PerfModel
+from pearl.controlplane.core.catalog import default_catalog
+from pearl.controlplane.core.domain import Role
+from pearl.controlplane.core.perfmodel import PerfModel
 from pearl.policies.baselines import ColocatedBaseline
 
 from .engine import Engine, EngineTiming, Request

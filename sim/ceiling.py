@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pearl.controlplane.catalog import default_catalog
-from pearl.controlplane.perfmodel import PerfModel
+from pearl.controlplane.core.catalog import default_catalog
+from pearl.controlplane.core.perfmodel import PerfModel
 
 from .engine import EngineTiming
 from .scenario import Scenario
@@ -44,7 +44,7 @@ def trajectory_floor_s(traj: Trajectory, timing: EngineTiming) -> float:
 
 
 def ceiling(scenario: Scenario) -> Ceiling:
-    """The trainer's schedule (design.md semantics) with every rollout step at its floor."""
+    """The trainer's schedule (docs/simulator.md, "The trainer") with every rollout step at its floor."""
     catalog = default_catalog()
     timing = EngineTiming(PerfModel(catalog.model(scenario.model), catalog.gpu(scenario.gpu), scenario.tp))
     training, duration = scenario.training, scenario.duration_s

@@ -30,8 +30,8 @@ import heapq
 import math
 from collections import deque
 
-from pearl.controlplane.domain import Role
-from pearl.controlplane.perfmodel import PerfModel
+from pearl.controlplane.core.domain import Role
+from pearl.controlplane.core.perfmodel import PerfModel
 
 from .kvcache import KVCache, group_key
 from .trajectories import Trajectory

@@ -14,18 +14,18 @@ Durations (scenario `reconfig`, the same for every system):
 Several plans may be in flight. A newer plan's chain for a worker supersedes the unfinished steps of
 an older one, except a release under way: that one is urgent and finishes first. Cancelling any
 unfinished step of an expansion group cancels the group: its members not yet admitted stop and free
-their GPUs (design.md invariant 6). A flip on a worker whose server is not up becomes a restart.
+their GPUs (docs/state-machine.md, invariant 6). A flip on a worker whose server is not up becomes a restart.
 """
 
 from __future__ import annotations
 
 from typing import Protocol
 
-from pearl.controlplane.domain import Activity, Role, StepAction, WorkerZone
-from pearl.controlplane.fleet import Plan, PlanStep
+from pearl.controlplane.core.domain import Activity, Role, StepAction, WorkerZone
+from pearl.controlplane.core.fleet import Plan, PlanStep
 
-from .cluster import Worker
 from .scenario import Reconfig
+from .workers import Worker
 
 BLOCKED, RUNNING, WAITING_IDLE, DONE, CANCELLED = range(5)
 

@@ -50,7 +50,7 @@ class Comparison:
         return out
 
     def checks(self) -> dict[str, Any]:
-        """`oracle_upper_bound`: the oracle is at least every other system and ablation (method.md),
+        """`oracle_upper_bound`: the oracle is at least every other system and ablation (docs/method.md),
         by the metric and step by step; a violation is reported, never hidden.
 
         The metric moves in whole training steps (every system trains the same seeded batches), so it

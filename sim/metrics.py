@@ -1,4 +1,4 @@
-"""What a run reports: the metric of method.md, the costs, and timelines for the plots.
+"""What a run reports: the metric of docs/method.md, the costs, and timelines for the plots.
 
 tokens_per_s: over the training steps completed within `duration_s`, each trained batch's generated
 tokens plus all its tokens (prompt, observations, generated), divided by `duration_s`. Each token
@@ -47,7 +47,7 @@ class Timeline:
 class Result:
     scenario: str
     policy: str
-    tokens_per_s: float  # the metric (method.md)
+    tokens_per_s: float  # the metric (docs/method.md)
     rollout_steps: int  # rollout batches completed within the run
     training_steps: int  # training steps completed within the run (the ones the metric counts)
     gpu_seconds: float  # GPU-seconds held by rollout workers, dedicated and borrowed
@@ -66,7 +66,7 @@ class Result:
     step_makespans_s: tuple[float, ...] = ()  # each rollout step's makespan, in order
 
     def as_dict(self) -> dict[str, Any]:
-        """The `--json` keys (design.md) and the extra ones; the timeline and the per-step makespans are
+        """The `--json` keys (docs/formats.md) and the extra ones; the timeline and the per-step makespans are
         for plots and comparisons only."""
         out: dict[str, Any] = {}
         for key, value in self.__dict__.items():

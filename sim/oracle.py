@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pearl.controlplane.fleet import FleetSnapshot, Target
+from pearl.controlplane.core.fleet import FleetSnapshot, Target
 from pearl.policies.base import Signals, colocated, split
 from pearl.policies.borrowing import borrowable
 from pearl.policies.elasticity import dedicated_capacity

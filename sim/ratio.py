@@ -36,15 +36,15 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from pearl.controlplane.catalog import default_catalog
-from pearl.controlplane.domain import Mode
+from pearl.controlplane.core.catalog import default_catalog
+from pearl.controlplane.core.domain import Mode
+from pearl.controlplane.core.perfmodel import PerfModel
+from pearl.controlplane.core.predictor import Config
+from pearl.controlplane.core.profile import Profile, profile_from_workload
+from pearl.controlplane.core.selector import Selection, candidates_for, select
+from pearl.controlplane.core.telemetry import StepTelemetry
+from pearl.controlplane.core.tracker import fit_profile
 from pearl.controlplane.errors import BadInput, PearlError
-from pearl.controlplane.perfmodel import PerfModel
-from pearl.controlplane.predictor import Config
-from pearl.controlplane.profile import Profile, profile_from_workload
-from pearl.controlplane.selector import Selection, candidates_for, select
-from pearl.controlplane.telemetry import StepTelemetry
-from pearl.controlplane.tracker import fit_profile
 from pearl.policies.base import Policy
 from pearl.policies.baselines import ColocatedBaseline, StaticSplit
 

@@ -12,7 +12,7 @@ decode worker is the least loaded at each turn (the decode side keeps no prefix 
 
 from __future__ import annotations
 
-from pearl.controlplane.domain import Role
+from pearl.controlplane.core.domain import Role
 
 from .engine import Engine
 from .trajectories import Trajectory

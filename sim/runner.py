@@ -16,16 +16,15 @@ import math
 import time
 from collections.abc import Callable
 
-from pearl.controlplane.catalog import default_catalog
-from pearl.controlplane.domain import Activity, Role, WorkerZone
-from pearl.controlplane.fleet import FleetSnapshot
-from pearl.controlplane.orchestrator import orchestrate
-from pearl.controlplane.perfmodel import PerfModel
-from pearl.controlplane.telemetry import IterationRecord, StepTelemetry
+from pearl.controlplane.core.catalog import default_catalog
+from pearl.controlplane.core.domain import Activity, Role, WorkerZone
+from pearl.controlplane.core.fleet import FleetSnapshot
+from pearl.controlplane.core.orchestrator import orchestrate
+from pearl.controlplane.core.perfmodel import PerfModel
+from pearl.controlplane.core.telemetry import IterationRecord, StepTelemetry
 from pearl.policies.base import Policy, Signals
 
 from .availability import Change, availability_changes
-from .cluster import Cluster, Worker
 from .engine import TRANSFERRING, Engine, EngineTiming, Request
 from .executor import Executor, PlanRun, StepRun
 from .metrics import Result, Timeline
@@ -33,6 +32,7 @@ from .router import Router
 from .scenario import Scenario
 from .trainer import Trainer
 from .trajectories import Trajectory, sample_batch
+from .workers import Cluster, Worker
 
 EV_WAKE, EV_ENV, EV_KV, EV_STEP, EV_TRAIN_END, EV_TRACE, EV_DEADLINE, EV_DECIDE = range(8)
 ITERATIONS_PER_TELEMETRY = 64  # engine iteration records sampled into each step's telemetry

@@ -1,4 +1,4 @@
-"""Scenario files (design.md, "Scenario"): validation, `--set` overrides, and preemptible traces.
+"""Scenario files (docs/formats.md, "Scenario"): validation, `--set` overrides, and preemptible traces.
 
 Errors name the key: `cluster.preemptible.notice_s: Input should be ...`, exit code 2 in the CLI.
 """
@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import yaml
-from pearl.controlplane.catalog import default_catalog
+from pearl.controlplane.core.catalog import default_catalog
+from pearl.controlplane.core.workload import Workload
 from pearl.controlplane.errors import BadInput
-from pearl.controlplane.workload import Workload
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 SHIPPED_DIR = Path(__file__).parent  # scenarios/, traces/, inventories/ shipped with pearl

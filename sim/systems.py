@@ -1,4 +1,4 @@
-"""The systems of method.md by name: a policy and the cluster it runs on.
+"""The systems of docs/method.md by name: a policy and the cluster it runs on.
 
 Every system runs on the scenario's workload, engine, router and costs; only the GPUs it may use
 and its policy differ. `roll` uses the reserved rollout GPUs alone; `roll-large` a fixed reserve of
@@ -12,9 +12,9 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pearl.controlplane.catalog import default_catalog
+from pearl.controlplane.core.catalog import default_catalog
+from pearl.controlplane.core.perfmodel import PerfModel
 from pearl.controlplane.errors import BadInput
-from pearl.controlplane.perfmodel import PerfModel
 from pearl.policies.base import Policy
 from pearl.policies.baselines import ColocatedBaseline
 from pearl.policies.pearl import Borrow, PearlPolicy

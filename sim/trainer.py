@@ -1,4 +1,4 @@
-"""The asynchronous trainer (design.md semantics, the same for every system).
+"""The asynchronous trainer (docs/simulator.md, "The trainer", the same for every system).
 
 With staleness s, the rollout of batch j may start once batch j-1 is complete and the weights are at
 most s versions old (training steps done >= j - s). Training step k starts when batch k is complete,

@@ -12,8 +12,8 @@ has no environment step, so `obs` and `env_s` have one entry fewer than `gen`.
 from __future__ import annotations
 
 import numpy as np
-from pearl.controlplane.telemetry import TrajectoryRecord
-from pearl.controlplane.workload import Workload
+from pearl.controlplane.core.telemetry import TrajectoryRecord
+from pearl.controlplane.core.workload import Workload
 
 
 class Trajectory:
@@ -55,7 +55,7 @@ class Trajectory:
 
     @property
     def metric_tokens(self) -> int:
-        """The metric's count for this trajectory (method.md): generated tokens plus all tokens."""
+        """The metric's count for this trajectory (docs/method.md): generated tokens plus all tokens."""
         return self.generated_tokens + self.total_tokens
 
     def record(self) -> TrajectoryRecord:

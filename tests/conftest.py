@@ -40,8 +40,8 @@ def _admin(url: str) -> Engine:
 @pytest.fixture(scope="session")
 def pg_server_url() -> Iterator[str]:
     """A URL to a maintenance database on the test PostgreSQL server (not to write pearl data in)."""
-    from pearl.controlplane.embedded import start_postgres, stop_postgres
-    from pearl.controlplane.settings import normalise_database_url
+    from pearl.controlplane.services.embedded import start_postgres, stop_postgres
+    from pearl.controlplane.services.settings import normalise_database_url
 
     external = os.environ.get("PEARL_TEST_DATABASE_URL")
     if external:
@@ -61,7 +61,7 @@ def pg_server_url() -> Iterator[str]:
 @pytest.fixture(scope="session")
 def template_db(pg_server_url: str) -> Iterator[str]:
     """The name of a database migrated to head once per session, cloned by `database_url`."""
-    from pearl.controlplane.db import make_engine, upgrade
+    from pearl.controlplane.store.db import make_engine, upgrade
 
     name = f"pearl_template_{os.getpid()}"
     admin = _admin(pg_server_url)
@@ -122,7 +122,7 @@ def empty_database_url(pg_server_url: str) -> Iterator[str]:
 @pytest.fixture
 def db_engine(database_url: str) -> Iterator[Engine]:
     """An engine on the test's own fresh database: commit freely."""
-    from pearl.controlplane.db import make_engine
+    from pearl.controlplane.store.db import make_engine
 
     engine = make_engine(database_url)
     try:
@@ -134,7 +134,7 @@ def db_engine(database_url: str) -> Iterator[Engine]:
 @pytest.fixture(scope="session")
 def shared_engine(pg_server_url: str, template_db: str) -> Iterator[Engine]:
     """An engine on one migrated database shared by the session; use it through `db_session`."""
-    from pearl.controlplane.db import make_engine
+    from pearl.controlplane.store.db import make_engine
 
     name = _clone(pg_server_url, template_db)
     engine = make_engine(_with_database(pg_server_url, name))
@@ -184,7 +184,7 @@ def clock() -> Clock:
 @pytest.fixture(scope="session")
 def broker_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real Redis: the embedded one, or `PEARL_TEST_BROKER_URL`."""
-    from pearl.controlplane.embedded import start_redis, stop_redis
+    from pearl.controlplane.services.embedded import start_redis, stop_redis
 
     external = os.environ.get("PEARL_TEST_BROKER_URL")
     if external:

@@ -13,13 +13,14 @@ from typing import Any
 
 import numpy as np
 import yaml
-from pearl.controlplane.cluster import import_inventory
-from pearl.controlplane.db import transaction
-from pearl.controlplane.domain import Role, StepStatus
-from pearl.controlplane.fleet import Target
-from pearl.controlplane.inventory import parse_inventory
-from pearl.controlplane.orchestrator import orchestrate
-from pearl.controlplane.plans import (
+from pearl.controlplane.core.domain import Role, StepStatus
+from pearl.controlplane.core.fleet import Target
+from pearl.controlplane.core.inventory import parse_inventory
+from pearl.controlplane.core.orchestrator import orchestrate
+from pearl.controlplane.core.workload import Workload
+from pearl.controlplane.store.db import transaction
+from pearl.controlplane.store.inventory_import import import_inventory
+from pearl.controlplane.store.plan_store import (
     DecisionRecord,
     PlanProgress,
     finish_step,
@@ -27,9 +28,8 @@ from pearl.controlplane.plans import (
     write_decision,
     write_plan,
 )
-from pearl.controlplane.queries import query
-from pearl.controlplane.state import load_snapshot
-from pearl.controlplane.workload import Workload
+from pearl.controlplane.store.queries import query
+from pearl.controlplane.store.snapshot import load_snapshot
 from sqlalchemy import Engine, text
 
 REPO = Path(__file__).resolve().parent.parent
@@ -77,7 +77,7 @@ def write_inventory(path: Path, raw: dict[str, Any]) -> Path:
 
 
 def telemetry(step: int, batch_size: int = 64, seed: int = 0, iterations: bool = False) -> dict[str, Any]:
-    """One rollout step drawn from the paper workload (design.md format)."""
+    """One rollout step drawn from the paper workload (docs/formats.md)."""
     w = Workload.model_validate(paper_workload())
     rng = np.random.default_rng(seed + 1000 * step)
     trajectories = []

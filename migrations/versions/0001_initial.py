@@ -4,7 +4,7 @@ The unified GPU-worker-role state, leases, training steps, telemetry, profiles, 
 steps, agents, leadership and ticks, the append-only audit log, and the triggers and views around them.
 
 Frozen: this file is what revision 0001 means. Enum values, transition edges and the SQL of the
-triggers and views are embedded here, not read from the live modules or controlplane/sql/.
+triggers and views are embedded here, not read from the live modules or controlplane/store/sql/.
 
 Revision ID: 0001_initial
 Revises:

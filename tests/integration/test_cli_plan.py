@@ -10,10 +10,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from pearl.controlplane.db import transaction
-from pearl.controlplane.domain import GPUState, StepStatus
-from pearl.controlplane.schema import GPU
-from pearl.controlplane.transitions import set_gpu_states
+from pearl.controlplane.core.domain import GPUState, StepStatus
+from pearl.controlplane.store.db import transaction
+from pearl.controlplane.store.schema import GPU
+from pearl.controlplane.store.transitions import set_gpu_states
 from plan_support import (
     PAPER_INVENTORY,
     PEARLCTL,

@@ -87,7 +87,7 @@ def test_configured_urls_start_nothing_embedded(embedded_home, database_url: str
 
 def test_broker_fixture_is_a_real_redis(broker_url: str) -> None:
     import redis
-    from pearl.controlplane.embedded import broker_answers
+    from pearl.controlplane.services.embedded import broker_answers
 
     assert broker_answers(broker_url)
     parts = urlsplit(broker_url)
@@ -99,7 +99,13 @@ def test_broker_fixture_is_a_real_redis(broker_url: str) -> None:
 
 
 def test_embedded_servers_restart_within_one_process(embedded_home) -> None:
-    from pearl.controlplane.embedded import broker_answers, start_postgres, start_redis, stop_postgres, stop_redis
+    from pearl.controlplane.services.embedded import (
+        broker_answers,
+        start_postgres,
+        start_redis,
+        stop_postgres,
+        stop_redis,
+    )
     from sqlalchemy import create_engine, text
     from sqlalchemy.pool import NullPool
 

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from pearl.controlplane.db import STATE_CONSTRAINTS, transaction
-from pearl.controlplane.domain import Activity, GPUState, NodeZone, Role
+from pearl.controlplane.core.domain import Activity, GPUState, NodeZone, Role
 from pearl.controlplane.errors import IllegalTransition, PearlError
-from pearl.controlplane.transitions import (
+from pearl.controlplane.store.db import STATE_CONSTRAINTS, transaction
+from pearl.controlplane.store.transitions import (
     StateConflict,
     admit_worker,
     begin_release,
@@ -265,8 +265,8 @@ def test_views_answer(cluster_engine: Engine) -> None:
 
 
 def test_db_session_fixture_checks_deferred_constraints_on_demand(db_session) -> None:
-    from pearl.controlplane.cluster import import_inventory
-    from pearl.controlplane.inventory import parse_inventory
+    from pearl.controlplane.core.inventory import parse_inventory
+    from pearl.controlplane.store.inventory_import import import_inventory
     from sqlalchemy.exc import DBAPIError
 
     import_inventory(db_session, parse_inventory({"model": "qwen3-8b", "gpu": "h800", "tp": 1, "nodes": [

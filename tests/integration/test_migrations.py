@@ -1,5 +1,5 @@
 """Alembic: the migrations round-trip, match the ORM, serialise concurrent upgrades, and install the
-views that controlplane/sql/views.sql defines."""
+views that controlplane/store/sql/views.sql defines."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from importlib.resources import files
 
 import pytest
 from alembic import command
-from pearl.controlplane.db import alembic_config, current_revision, head_revision, make_engine
+from pearl.controlplane.store.db import alembic_config, current_revision, head_revision, make_engine
 from plan_support import PEARLCTL, REPO
 from sqlalchemy import Engine, inspect, text
 from sqlalchemy.engine import make_url
@@ -78,7 +78,7 @@ def test_views_sql_is_what_the_head_migration_installed(db_engine: Engine) -> No
     definition = text("SELECT pg_get_viewdef(CAST(:v AS regclass), true)")
     with db_engine.connect() as conn:
         installed = {v: conn.execute(definition, {"v": v}).scalar_one() for v in views}
-        conn.exec_driver_sql(files("pearl.controlplane").joinpath("sql/views.sql").read_text())
+        conn.exec_driver_sql(files("pearl.controlplane.store").joinpath("sql/views.sql").read_text())
         current = {v: conn.execute(definition, {"v": v}).scalar_one() for v in views}
     assert current == installed
 

@@ -4,18 +4,18 @@ progression through the fenced finish, failure and the expansion group, and the 
 from __future__ import annotations
 
 import pytest
-from pearl.controlplane import plans
-from pearl.controlplane.db import transaction
-from pearl.controlplane.domain import GPUState, PlanStatus, Role, StepAction, StepStatus
+from pearl.controlplane.core.domain import GPUState, PlanStatus, Role, StepAction, StepStatus
+from pearl.controlplane.core.fleet import Plan as FleetPlan
+from pearl.controlplane.core.fleet import PlanStep as PlanStep_
+from pearl.controlplane.core.fleet import Target
+from pearl.controlplane.core.orchestrator import orchestrate
 from pearl.controlplane.errors import BadInput, StalePlan
-from pearl.controlplane.fleet import Plan as FleetPlan
-from pearl.controlplane.fleet import PlanStep as PlanStep_
-from pearl.controlplane.fleet import Target
-from pearl.controlplane.orchestrator import orchestrate
-from pearl.controlplane.queries import query
-from pearl.controlplane.schema import GPU, Fleet, Plan, PlanStep
-from pearl.controlplane.state import load_snapshot
-from pearl.controlplane.transitions import set_gpu_states
+from pearl.controlplane.store import plan_store
+from pearl.controlplane.store.db import transaction
+from pearl.controlplane.store.queries import query
+from pearl.controlplane.store.schema import GPU, Fleet, Plan, PlanStep
+from pearl.controlplane.store.snapshot import load_snapshot
+from pearl.controlplane.store.transitions import set_gpu_states
 from plan_support import COLOCATED_3, claim_ready, propose, report, run_plan
 from sqlalchemy import Engine, select, text
 from sqlalchemy.exc import IntegrityError
@@ -70,7 +70,7 @@ def test_a_plan_is_stored_with_its_steps_and_supersedes_older_proposals(cluster_
 def test_an_empty_plan_writes_no_plan_row(cluster_engine: Engine) -> None:
     with transaction(cluster_engine) as session:
         empty = orchestrate(load_snapshot(session), Target(frozenset(), {}, reason="nothing"))
-        assert empty.empty and plans.write_plan(session, empty, None) is None
+        assert empty.empty and plan_store.write_plan(session, empty, None) is None
     with cluster_engine.connect() as conn:
         assert conn.execute(text("SELECT count(*) FROM plans")).scalar() == 0
 
@@ -82,7 +82,7 @@ def test_apply_makes_the_dependency_free_steps_ready_and_wakes_their_nodes(clust
     url = cluster_engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
     with psycopg.connect(url, autocommit=True) as listener:
         listener.execute("LISTEN pearl_steps")
-        applied = plans.apply(cluster_engine, plan_id)
+        applied = plan_store.apply(cluster_engine, plan_id)
         payloads = {n.payload for n in listener.notifies(timeout=2)}
     plan, steps = rows(cluster_engine, plan_id)
     assert plan.status is PlanStatus.APPLYING and plan.applied_at is not None
@@ -102,7 +102,7 @@ def test_a_stale_plan_is_refused_and_nothing_changes(cluster_engine: Engine) -> 
     before = fleet_state(cluster_engine)
     plan, _ = rows(cluster_engine, plan_id)
     with pytest.raises(StalePlan) as refused:
-        plans.apply(cluster_engine, plan_id)
+        plan_store.apply(cluster_engine, plan_id)
     message = str(refused.value)
     assert f"plan {plan_id} was computed at state_version {plan.base_version}, the fleet is at {before[0]}" in message
     assert "run `pearlctl plan` again" in message
@@ -110,38 +110,38 @@ def test_a_stale_plan_is_refused_and_nothing_changes(cluster_engine: Engine) -> 
     plan, steps = rows(cluster_engine, plan_id)
     assert plan.status is PlanStatus.STALE and plan.error == message and plan.applied_at is None
     assert all(s.status is StepStatus.BLOCKED for s in steps)
-    with pytest.raises(plans.PlanNotApplicable, match="is stale"):
-        plans.apply(cluster_engine, plan_id)
+    with pytest.raises(plan_store.PlanNotApplicable, match="is stale"):
+        plan_store.apply(cluster_engine, plan_id)
 
 
 def test_a_superseded_plan_cannot_be_applied(cluster_engine: Engine) -> None:
     old = propose(cluster_engine)
     new = propose(cluster_engine, SPLIT_3)
     with pytest.raises(StalePlan, match=f"plan {old} was superseded by plan {new}"):
-        plans.apply(cluster_engine, old)
-    assert plans.apply(cluster_engine).plan_id == new  # the latest proposed one is the newer
+        plan_store.apply(cluster_engine, old)
+    assert plan_store.apply(cluster_engine).plan_id == new  # the latest proposed one is the newer
 
 
 def test_one_plan_applies_at_a_time(cluster_engine: Engine) -> None:
     first = propose(cluster_engine)
-    plans.apply(cluster_engine, first)
+    plan_store.apply(cluster_engine, first)
     second = propose(cluster_engine, SPLIT_3)
-    with pytest.raises(plans.PlanNotApplicable, match=f"plan {first} is still applying"):
-        plans.apply(cluster_engine, second)
+    with pytest.raises(plan_store.PlanNotApplicable, match=f"plan {first} is still applying"):
+        plan_store.apply(cluster_engine, second)
     assert rows(cluster_engine, second)[0].status is PlanStatus.PROPOSED
 
 
 def test_unknown_plans_and_nothing_proposed(cluster_engine: Engine) -> None:
-    with pytest.raises(plans.NoPlan, match="PLAN_ID: plan 42 does not exist") as refused:
-        plans.apply(cluster_engine, 42)
+    with pytest.raises(plan_store.NoPlan, match="PLAN_ID: plan 42 does not exist") as refused:
+        plan_store.apply(cluster_engine, 42)
     assert refused.value.exit_code == 2
-    with pytest.raises(plans.NothingToApply, match="No proposed plan: run `pearlctl plan` first"):
-        plans.apply(cluster_engine)
+    with pytest.raises(plan_store.NothingToApply, match="No proposed plan: run `pearlctl plan` first"):
+        plan_store.apply(cluster_engine)
 
 
 def test_steps_run_in_dependency_order_and_the_plan_succeeds(cluster_engine: Engine, clock) -> None:
     plan_id = propose(cluster_engine, SPLIT_3)
-    plans.apply(cluster_engine, plan_id)
+    plan_store.apply(cluster_engine, plan_id)
     _, steps = rows(cluster_engine, plan_id)
     after = {s.key: set(s.depends_on) for s in steps}
     succeeded: set[str] = set()
@@ -162,7 +162,7 @@ def test_steps_run_in_dependency_order_and_the_plan_succeeds(cluster_engine: Eng
 
 def test_a_failed_step_fails_the_plan_and_cancels_the_group(cluster_engine: Engine, clock) -> None:
     plan_id = propose(cluster_engine)
-    plans.apply(cluster_engine, plan_id)
+    plan_store.apply(cluster_engine, plan_id)
     progress = run_plan(cluster_engine, clock(), fail="w2.load_weights")
     failed = [p for p in progress if p.status is PlanStatus.FAILED and p.cancelled]
     assert len(failed) == 1
@@ -178,12 +178,12 @@ def test_a_failed_step_fails_the_plan_and_cancels_the_group(cluster_engine: Engi
     assert failed[0].release == (1, 2, 3)
     assert status["w3.load_weights"] is StepStatus.SUCCEEDED  # it was running: its report still counts
     with transaction(cluster_engine) as session:  # and reconciling again changes nothing
-        assert plans.reconcile(session, plan_id) == plans.PlanProgress(plan_id, PlanStatus.FAILED)
+        assert plan_store.reconcile(session, plan_id) == plan_store.PlanProgress(plan_id, PlanStatus.FAILED)
 
 
 def test_a_fully_admitted_group_is_not_released_when_a_later_step_fails(cluster_engine: Engine, clock) -> None:
     plan_id = propose(cluster_engine)
-    plans.apply(cluster_engine, plan_id)
+    plan_store.apply(cluster_engine, plan_id)
     progress = run_plan(cluster_engine, clock(), fail="router_sync")
     failed = [p for p in progress if p.status is PlanStatus.FAILED]
     _, steps = rows(cluster_engine, plan_id)
@@ -196,7 +196,7 @@ def test_a_fully_admitted_group_is_not_released_when_a_later_step_fails(cluster_
 
 def test_steps_of_a_failed_plan_are_never_rescued_or_claimed_again(cluster_engine: Engine, clock) -> None:
     plan_id = propose(cluster_engine)
-    plans.apply(cluster_engine, plan_id)
+    plan_store.apply(cluster_engine, plan_id)
     starts = {s["key"]: s for s in claim_ready(cluster_engine, clock())}
     assert sorted(starts) == ["w1.start", "w2.start", "w3.start"]
     failed = report(cluster_engine, starts["w1.start"], StepStatus.FAILED, clock(), "boom")
@@ -219,29 +219,29 @@ def test_steps_of_a_failed_plan_are_never_rescued_or_claimed_again(cluster_engin
 
 def test_a_report_under_a_lost_claim_changes_nothing(cluster_engine: Engine, clock) -> None:
     plan_id = propose(cluster_engine)
-    plans.apply(cluster_engine, plan_id)
+    plan_store.apply(cluster_engine, plan_id)
     step = claim_ready(cluster_engine, clock())[0]
-    with pytest.raises(plans.ClaimLost, match=f"step {step['id']} is not running under fence"):
+    with pytest.raises(plan_store.ClaimLost, match=f"step {step['id']} is not running under fence"):
         report(cluster_engine, {**step, "fence": step["fence"] + 1000}, StepStatus.SUCCEEDED, clock())
     _, steps = rows(cluster_engine, plan_id)
     assert next(s for s in steps if s.id == step["id"]).status is StepStatus.RUNNING
-    with pytest.raises(plans.BadInput, match="status: a step finishes succeeded or failed"):
+    with pytest.raises(plan_store.BadInput, match="status: a step finishes succeeded or failed"):
         report(cluster_engine, step, StepStatus.CANCELLED, clock())
 
 
 def test_a_step_failed_by_the_rescuer_fails_the_plan_on_reconcile(cluster_engine: Engine, clock) -> None:
     plan_id = propose(cluster_engine)
-    plans.apply(cluster_engine, plan_id)
+    plan_store.apply(cluster_engine, plan_id)
     claim_ready(cluster_engine, clock())
     with transaction(cluster_engine) as session:  # every claim expires past its last attempt
         session.execute(query("rescue_expired_steps"), {"now": clock.advance(60), "max_attempts": 1})
-        progress = plans.reconcile(session, plan_id)
+        progress = plan_store.reconcile(session, plan_id)
     assert progress.status is PlanStatus.FAILED and "claim expired" in rows(cluster_engine, plan_id)[0].error
 
 
 def test_plan_changes_are_in_the_events(cluster_engine: Engine, clock) -> None:
     plan_id = propose(cluster_engine)
-    plans.apply(cluster_engine, plan_id, actor="operator")
+    plan_store.apply(cluster_engine, plan_id, actor="operator")
     run_plan(cluster_engine, clock())
     with cluster_engine.connect() as conn:
         plan_events = conn.execute(text(
@@ -259,11 +259,11 @@ def test_plan_changes_are_in_the_events(cluster_engine: Engine, clock) -> None:
 
 def test_wait_plan_returns_when_the_plan_finishes_and_times_out_otherwise(cluster_engine: Engine, clock) -> None:
     plan_id = propose(cluster_engine)
-    plans.apply(cluster_engine, plan_id)
-    with pytest.raises(plans.PlanTimeout, match=f"plan {plan_id} is still applying after 0.2 s"):
-        plans.wait_plan(cluster_engine, plan_id, timeout_s=0.2, poll_s=0.05)
+    plan_store.apply(cluster_engine, plan_id)
+    with pytest.raises(plan_store.PlanTimeout, match=f"plan {plan_id} is still applying after 0.2 s"):
+        plan_store.wait_plan(cluster_engine, plan_id, timeout_s=0.2, poll_s=0.05)
     run_plan(cluster_engine, clock())
-    assert plans.wait_plan(cluster_engine, plan_id, timeout_s=5)["status"] == "succeeded"
+    assert plan_store.wait_plan(cluster_engine, plan_id, timeout_s=5)["status"] == "succeeded"
 
 
 def _plan_of(snapshot_version: int, *steps: PlanStep_) -> FleetPlan:
@@ -283,7 +283,7 @@ def _plan_of(snapshot_version: int, *steps: PlanStep_) -> FleetPlan:
 def test_a_plan_that_could_never_finish_is_refused(cluster_engine: Engine, steps: tuple, message: str) -> None:
     with pytest.raises(BadInput, match=message):
         with transaction(cluster_engine) as session:
-            plans.write_plan(session, _plan_of(load_snapshot(session).state_version, *steps), None)
+            plan_store.write_plan(session, _plan_of(load_snapshot(session).state_version, *steps), None)
     with cluster_engine.connect() as conn:
         written = conn.execute(text("SELECT (SELECT count(*) FROM plans) + (SELECT count(*) FROM plan_steps)"))
         assert written.scalar() == 0
@@ -299,12 +299,12 @@ def test_the_database_refuses_a_step_on_a_node_its_worker_does_not_live_on(clust
 
 def test_an_applying_plan_is_aborted_and_the_next_one_applies(cluster_engine: Engine, clock) -> None:
     plan_id = propose(cluster_engine)
-    plans.apply(cluster_engine, plan_id)
+    plan_store.apply(cluster_engine, plan_id)
     starts = claim_ready(cluster_engine, clock())
     for step in starts[:2]:
         report(cluster_engine, step, StepStatus.SUCCEEDED, clock())
     # the third agent died mid-step: the plan cannot finish
-    progress = plans.abort(cluster_engine, plan_id, actor="operator")
+    progress = plan_store.abort(cluster_engine, plan_id, actor="operator")
     plan, steps = rows(cluster_engine, plan_id)
     status = {s.key: s.status for s in steps}
     assert plan.status is PlanStatus.FAILED and plan.error == "aborted by operator"
@@ -316,8 +316,8 @@ def test_an_applying_plan_is_aborted_and_the_next_one_applies(cluster_engine: En
     with transaction(cluster_engine) as session:
         rescued = session.execute(query("rescue_expired_steps"), {"now": clock.advance(60), "max_attempts": 3}).all()
     assert [(r.id, r.status) for r in rescued] == [(starts[2]["id"], "cancelled")]
-    with pytest.raises(plans.PlanNotApplicable, match=f"plan {plan_id} is failed; only an applying plan"):
-        plans.abort(cluster_engine, plan_id)
-    with pytest.raises(plans.NoPlan, match="plan 42 does not exist"):
-        plans.abort(cluster_engine, 42)
-    assert plans.apply(cluster_engine, propose(cluster_engine, SPLIT_3)).plan_id > plan_id
+    with pytest.raises(plan_store.PlanNotApplicable, match=f"plan {plan_id} is failed; only an applying plan"):
+        plan_store.abort(cluster_engine, plan_id)
+    with pytest.raises(plan_store.NoPlan, match="plan 42 does not exist"):
+        plan_store.abort(cluster_engine, 42)
+    assert plan_store.apply(cluster_engine, propose(cluster_engine, SPLIT_3)).plan_id > plan_id

@@ -8,9 +8,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from pearl.controlplane import profiles
-from pearl.controlplane.profile import DECODE_BATCHES, ProfileKey
-from pearl.controlplane.schema import Profile as ProfileRow
+from pearl.controlplane.core.profile import DECODE_BATCHES, ProfileKey
+from pearl.controlplane.store import profile_store
+from pearl.controlplane.store.schema import Profile as ProfileRow
 from sqlalchemy import create_engine
 from sqlalchemy.orm import Session
 from sqlalchemy.pool import NullPool
@@ -32,7 +32,7 @@ def stored(database_url: str, key: ProfileKey) -> ProfileRow | None:
     engine = create_engine(database_url, poolclass=NullPool)
     try:
         with Session(engine) as session:
-            return profiles.current_row(session, key)
+            return profile_store.current_row(session, key)
     finally:
         engine.dispose()
 
@@ -49,7 +49,7 @@ def test_a_cpu_measurement_is_stored_under_its_own_key(pearlctl: Callable, datab
     assert sorted(int(n) for n in out["decode_s"]) == [1, 2, 4] and out["extrapolated"][0] == 8
     row = stored(database_url, ProfileKey("qwen3-8b", "cpu", 1, "cpu"))
     assert row is not None and row.id == out["profile_id"] and row.provenance.value == "measured"
-    engine = profiles.measured_engine(row)
+    engine = profile_store.measured_engine(row)
     assert engine.decode_batches == DECODE_BATCHES and engine.decode_s_per_ctx_token >= 0
     assert list(engine.decode_base_s) == sorted(engine.decode_base_s)
     assert engine.kv_capacity_tokens > 0 and engine.kv_bandwidth_bps > 0
@@ -93,8 +93,8 @@ def test_cuda_where_there_is_none_is_refused(pearlctl: Callable) -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not _cuda(), reason="needs CUDA")
 def test_the_full_shape_on_a_gpu(pearlctl: Callable, database_url: str) -> None:
-    from pearl.controlplane.catalog import default_catalog
-    from pearl.controlplane.perfmodel import PerfModel
+    from pearl.controlplane.core.catalog import default_catalog
+    from pearl.controlplane.core.perfmodel import PerfModel
 
     done = pearlctl("profile", "--model", "qwen3-8b", "--gpu", "h800", "--device", "cuda", "--repeats", "5", "--json",
                     timeout=600)
@@ -103,7 +103,7 @@ def test_the_full_shape_on_a_gpu(pearlctl: Callable, database_url: str) -> None:
     assert out["scaled"] is False and out["shape"]["hidden"] == 4096 and out["shape"]["dtype"] == "bfloat16"
     row = stored(database_url, ProfileKey("qwen3-8b", "h800", 1, "cuda"))
     assert row is not None and row.id == out["profile_id"]
-    engine = profiles.measured_engine(row)
+    engine = profile_store.measured_engine(row)
     catalog = default_catalog()
     perf = PerfModel(catalog.model("qwen3-8b"), catalog.gpu("h800"), 1)
     # a real GPU lands within a few x of the calibrated model (the device may not be an H800)
@@ -112,8 +112,8 @@ def test_the_full_shape_on_a_gpu(pearlctl: Callable, database_url: str) -> None:
 
 
 def test_past_the_kv_heads_a_rank_times_its_own_query_heads_and_one_kv_head() -> None:
-    from pearl.controlplane.catalog import default_catalog
-    from pearl.controlplane.kernels import layer_shape
+    from pearl.controlplane.core.catalog import default_catalog
+    from pearl.controlplane.measure.kernels import layer_shape
 
     moe = default_catalog().model("qwen3-30b-a3b")  # 32 query heads, 4 KV heads
     shapes = {tp: layer_shape(moe, tp, 1.0, "bfloat16") for tp in (2, 4, 8)}
@@ -123,8 +123,8 @@ def test_past_the_kv_heads_a_rank_times_its_own_query_heads_and_one_kv_head() ->
 
 def test_a_cpu_measurement_counts_replicated_kv_heads_once() -> None:
     pytest.importorskip("torch")
-    from pearl.controlplane.catalog import default_catalog
-    from pearl.controlplane.kernels import MeasureSpec, measure
+    from pearl.controlplane.core.catalog import default_catalog
+    from pearl.controlplane.measure.kernels import MeasureSpec, measure
 
     moe = default_catalog().model("qwen3-30b-a3b")
     spec = MeasureSpec(device="cpu", scale=1.0, tp=8, max_batch=2, context_tokens=32, chunk_tokens=16, repeats=1)

@@ -6,8 +6,7 @@ import threading
 from datetime import datetime
 
 import pytest
-from pearl.controlplane.db import transaction
-from pearl.controlplane.domain import (
+from pearl.controlplane.core.domain import (
     Activity,
     GPUState,
     LeaseKind,
@@ -17,10 +16,11 @@ from pearl.controlplane.domain import (
     StepStatus,
     WorkerZone,
 )
-from pearl.controlplane.queries import load_queries, query
-from pearl.controlplane.schema import Agent, Lease, Plan, PlanStep
-from pearl.controlplane.state import load_snapshot
-from pearl.controlplane.transitions import admit_worker, set_gpu_states, start_worker
+from pearl.controlplane.store.db import transaction
+from pearl.controlplane.store.queries import load_queries, query
+from pearl.controlplane.store.schema import Agent, Lease, Plan, PlanStep
+from pearl.controlplane.store.snapshot import load_snapshot
+from pearl.controlplane.store.transitions import admit_worker, set_gpu_states, start_worker
 from sqlalchemy import Engine, select, text
 
 pytestmark = pytest.mark.integration
@@ -185,7 +185,7 @@ def test_snapshot_maps_rows_and_availability(cluster_engine: Engine) -> None:
 
 
 def test_status_shows_the_latest_plan_and_open_leases(cluster_engine: Engine) -> None:
-    from pearl.controlplane.status import fleet_status
+    from pearl.controlplane.store.fleet_status import fleet_status
 
     _, steps = make_plan(cluster_engine, "train-0")
     with transaction(cluster_engine) as session:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from pearl.controlplane.db import transaction
+from pearl.controlplane.store.db import transaction
 from plan_support import REPO
 from sqlalchemy import Engine, text
 

@@ -9,22 +9,23 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from pearl.controlplane import planning, profiles
-from pearl.controlplane.db import transaction
-from pearl.controlplane.domain import Role
+from pearl.controlplane.core.domain import Role
+from pearl.controlplane.core.inventory import parse_inventory
+from pearl.controlplane.core.telemetry import parse_telemetry
 from pearl.controlplane.errors import BadInput
-from pearl.controlplane.inventory import parse_inventory
-from pearl.controlplane.schema import Profile as ProfileRow
-from pearl.controlplane.telemetry import parse_telemetry
-from pearl.controlplane.telemetry_ingest import ingest_telemetry
-from pearl.controlplane.transitions import admit_worker, start_worker
+from pearl.controlplane.store import profile_store
+from pearl.controlplane.store.db import transaction
+from pearl.controlplane.store.schema import Profile as ProfileRow
+from pearl.controlplane.store.telemetry_store import ingest_telemetry
+from pearl.controlplane.store.transitions import admit_worker, start_worker
+from pearl.policies.live import policy_pass
 from plan_support import import_cluster, small_inventory, telemetry, write_inventory
 from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.pool import NullPool
 
 pytestmark = pytest.mark.integration
 
-FLEET = profiles.fleet_key(parse_inventory(small_inventory()))
+FLEET = profile_store.fleet_key(parse_inventory(small_inventory()))
 
 
 @pytest.fixture
@@ -47,12 +48,12 @@ def test_each_step_is_stored_and_refits_the_profile_with_its_provenance(fleet_en
     with transaction(fleet_engine) as session:
         catalog = session.get(ProfileRow, first.based_on)
         fitted = [session.get(ProfileRow, r.profile_id) for r in (first, second)]
-        loaded = profiles.load_profile(session, FLEET, None)
+        loaded = profile_store.load_profile(session, FLEET, None)
     # the chain: the computed catalog prior is stored, then each step's fit names its base and its step
     assert catalog.provenance.value == "catalog" and catalog.device == "catalog" and catalog.based_on is None
     assert [f.based_on for f in fitted] == [catalog.id, fitted[0].id]
     assert [f.telemetry_id for f in fitted] == [first.telemetry_id, second.telemetry_id]
-    assert all((f.provenance.value, f.device) == ("fitted", profiles.FLEET_DEVICE) for f in fitted)
+    assert all((f.provenance.value, f.device) == ("fitted", profile_store.FLEET_DEVICE) for f in fitted)
     assert loaded.row_id == second.profile_id and loaded.profile.steps_observed == 2
     assert loaded.profile.fit["step"] == 1 and loaded.profile.fit["decode_points"] == 6
     # the first step replaces the prior's f, the second averages with it: both measured 0.6
@@ -63,8 +64,8 @@ def test_each_step_is_stored_and_refits_the_profile_with_its_provenance(fleet_en
 
 def test_a_measured_engine_is_the_prior_of_the_first_fit(fleet_engine: Engine) -> None:
     with transaction(fleet_engine) as session:
-        prior = profiles.catalog_prior(FLEET, profiles.fleet_inventory(session).workload)
-        measured = profiles.save_measured(session, FLEET, prior.engine, {"device_name": "test"})
+        prior = profile_store.catalog_prior(FLEET, profile_store.fleet_inventory(session).workload)
+        measured = profile_store.save_measured(session, FLEET, prior.engine, {"device_name": "test"})
     result = ingest_telemetry(fleet_engine, parse_telemetry(telemetry(0)))
     assert result.based_on == measured
     assert counts(fleet_engine) == (1, 2)  # no catalog row: the measured row starts the chain
@@ -120,7 +121,7 @@ def test_without_a_workload_block_the_first_step_is_the_prior(db_engine: Engine)
     assert (first.outcome, second.outcome) == ("ingested", "ingested") and counts(db_engine) == (2, 3)
     with transaction(db_engine) as session:
         prior = session.get(ProfileRow, first.based_on)
-        loaded = profiles.load_profile(session, FLEET, None)
+        loaded = profile_store.load_profile(session, FLEET, None)
     # the step's own trajectories are the prior's workload, on the catalog engine of the fleet's key
     assert (prior.provenance.value, prior.device, prior.params["batch_size"]) == ("catalog", "catalog", 64)
     longest = max(t.prompt_tokens + sum(t.gen_tokens) + sum(t.obs_tokens) for t in step0.trajectories)
@@ -128,21 +129,21 @@ def test_without_a_workload_block_the_first_step_is_the_prior(db_engine: Engine)
     assert max(prior.params["workload"]["turns"]) == max(t.turns for t in step0.trajectories)
     assert loaded.row_id == second.profile_id and loaded.profile.steps_observed == 2
     # and the fleet can plan now, from the fitted profile
-    planned = planning.plan(db_engine, dry_run=True)
+    planned = policy_pass.plan(db_engine, dry_run=True)
     assert planned.profile.row_id == second.profile_id and planned.target.members
 
 
 def test_a_newer_measurement_rebases_the_fit_chain(fleet_engine: Engine) -> None:
     first = ingest_telemetry(fleet_engine, parse_telemetry(telemetry(0)))
     with transaction(fleet_engine) as session:
-        engine = profiles.load_profile(session, FLEET, None).profile.engine
+        engine = profile_store.load_profile(session, FLEET, None).profile.engine
         slower = replace(engine, decode_base_s=tuple(3 * x for x in engine.decode_base_s))
-        measured = profiles.save_measured(session, FLEET, slower, {"device_name": "test", "scaled": False})
+        measured = profile_store.save_measured(session, FLEET, slower, {"device_name": "test", "scaled": False})
     second = ingest_telemetry(fleet_engine, parse_telemetry(telemetry(1)))
     third = ingest_telemetry(fleet_engine, parse_telemetry(telemetry(2)))
     assert second.based_on == measured and third.based_on == second.profile_id
     with transaction(fleet_engine) as session:
-        loaded = profiles.load_profile(session, FLEET, None)
+        loaded = profile_store.load_profile(session, FLEET, None)
     assert loaded.row_id == third.profile_id and loaded.measured_id is None
     assert loaded.profile.engine.decode_base_s == slower.decode_base_s  # no iterations: the engine is kept
     assert loaded.profile.steps_observed == 3 and first.profile_id < measured

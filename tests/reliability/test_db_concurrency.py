@@ -8,12 +8,12 @@ import threading
 from collections.abc import Callable
 
 import pytest
-from pearl.controlplane.cluster import import_inventory
-from pearl.controlplane.db import transaction
-from pearl.controlplane.domain import Role
+from pearl.controlplane.core.domain import Role
+from pearl.controlplane.core.inventory import parse_inventory
 from pearl.controlplane.errors import IllegalTransition
-from pearl.controlplane.inventory import parse_inventory
-from pearl.controlplane.transitions import StateConflict, begin_release, finish_release, lock_fleet, start_worker
+from pearl.controlplane.store.db import transaction
+from pearl.controlplane.store.inventory_import import import_inventory
+from pearl.controlplane.store.transitions import StateConflict, begin_release, finish_release, lock_fleet, start_worker
 from plan_support import in_threads
 from sqlalchemy import Engine, text
 
@@ -174,9 +174,9 @@ def test_concurrent_imports_of_one_inventory_create_it_once(db_engine: Engine) -
 def test_an_importer_killed_mid_transaction_leaves_nothing_behind(database_url: str, db_engine: Engine) -> None:
     script = (
         "import sys, time\n"
-        "from pearl.controlplane.cluster import import_inventory\n"
-        "from pearl.controlplane.db import make_engine, transaction\n"
-        "from pearl.controlplane.inventory import parse_inventory\n"
+        "from pearl.controlplane.store.inventory_import import import_inventory\n"
+        "from pearl.controlplane.store.db import make_engine, transaction\n"
+        "from pearl.controlplane.core.inventory import parse_inventory\n"
         f"inventory = parse_inventory({PAPER!r})\n"
         "with transaction(make_engine(sys.argv[1])) as session:\n"
         "    import_inventory(session, inventory)\n"

@@ -10,17 +10,17 @@ import time
 from datetime import datetime
 
 import pytest
-from pearl.controlplane import plans
-from pearl.controlplane.db import transaction
-from pearl.controlplane.domain import GPUState, PlanStatus, StepStatus
+from pearl.controlplane.core.domain import GPUState, PlanStatus, StepStatus
+from pearl.controlplane.core.orchestrator import orchestrate
+from pearl.controlplane.core.telemetry import parse_telemetry
 from pearl.controlplane.errors import StalePlan
-from pearl.controlplane.orchestrator import orchestrate
-from pearl.controlplane.queries import query
-from pearl.controlplane.schema import GPU, Plan, PlanStep
-from pearl.controlplane.state import load_snapshot
-from pearl.controlplane.telemetry import parse_telemetry
-from pearl.controlplane.telemetry_ingest import ingest_telemetry
-from pearl.controlplane.transitions import set_gpu_states
+from pearl.controlplane.store import plan_store
+from pearl.controlplane.store.db import transaction
+from pearl.controlplane.store.queries import query
+from pearl.controlplane.store.schema import GPU, Plan, PlanStep
+from pearl.controlplane.store.snapshot import load_snapshot
+from pearl.controlplane.store.telemetry_store import ingest_telemetry
+from pearl.controlplane.store.transitions import set_gpu_states
 from plan_support import (
     COLOCATED_3,
     claim_ready,
@@ -43,9 +43,9 @@ def status_of(engine: Engine, plan_id: int) -> PlanStatus:
 def test_concurrent_applies_of_one_plan_exactly_one_wins(cluster_engine: Engine) -> None:
     for _ in range(3):
         plan_id = propose(cluster_engine)
-        results = in_threads(*[lambda p=plan_id: plans.apply(cluster_engine, p)] * 4)
-        won = [r for r in results if isinstance(r, plans.AppliedPlan)]
-        lost = [r for r in results if isinstance(r, plans.PlanNotApplicable)]
+        results = in_threads(*[lambda p=plan_id: plan_store.apply(cluster_engine, p)] * 4)
+        won = [r for r in results if isinstance(r, plan_store.AppliedPlan)]
+        lost = [r for r in results if isinstance(r, plan_store.PlanNotApplicable)]
         assert len(won) == 1 and len(lost) == 3, results
         assert all(f"plan {plan_id} is applying" in str(r) for r in lost)
         with transaction(cluster_engine) as session:  # its dependency-free steps were readied once
@@ -67,7 +67,7 @@ def test_an_apply_racing_a_fleet_change_is_never_applied_against_a_moved_fleet(c
                 set_gpu_states(session, spot, [edge[0]], edge[1])
             return "changed"
 
-        applied, changed = in_threads(lambda p=plan_id: plans.apply(cluster_engine, p), change)
+        applied, changed = in_threads(lambda p=plan_id: plan_store.apply(cluster_engine, p), change)
         assert changed == "changed"
         with cluster_engine.connect() as conn:
             # the version the fleet had when the plan became applying (its audit event says)
@@ -75,7 +75,7 @@ def test_an_apply_racing_a_fleet_change_is_never_applied_against_a_moved_fleet(c
                 "SELECT state_version FROM events WHERE entity = 'plans' AND entity_id = :p "
                 "AND new ->> 'status' IN ('applying', 'stale') ORDER BY id LIMIT 1"), {"p": str(plan_id)}).scalar()
             base = conn.execute(text("SELECT base_version FROM plans WHERE id = :p"), {"p": str(plan_id)}).scalar()
-        if isinstance(applied, plans.AppliedPlan):
+        if isinstance(applied, plan_store.AppliedPlan):
             assert at_apply == base  # it was applied before the change, against its own version
             with transaction(cluster_engine) as session:
                 session.execute(text("UPDATE plans SET status = 'failed' WHERE id = :p"), {"p": plan_id})
@@ -90,7 +90,7 @@ def test_an_apply_racing_a_fleet_change_is_never_applied_against_a_moved_fleet(c
 def test_concurrent_reports_of_the_last_dependencies_never_lose_the_wake_up(cluster_engine: Engine, clock) -> None:
     for _ in range(3):
         plan_id = propose(cluster_engine)
-        plans.apply(cluster_engine, plan_id)
+        plan_store.apply(cluster_engine, plan_id)
         for step in claim_ready(cluster_engine, clock()):  # the starts
             report(cluster_engine, step, StepStatus.SUCCEEDED, clock())
         loads = claim_ready(cluster_engine, clock())
@@ -129,12 +129,12 @@ def test_concurrent_ingestions_never_lose_a_step(db_engine: Engine) -> None:
 def test_a_planner_killed_mid_write_leaves_nothing_behind(database_url: str, db_engine: Engine) -> None:
     import_cluster(db_engine, small_inventory())
     with transaction(db_engine) as session:
-        earlier = plans.write_plan(session, orchestrate(load_snapshot(session), COLOCATED_3), None)
+        earlier = plan_store.write_plan(session, orchestrate(load_snapshot(session), COLOCATED_3), None)
     script = (
         "import sys, time\n"
-        "from pearl.controlplane.db import make_engine, transaction\n"
-        "from pearl.controlplane.planning import decide\n"
-        "from pearl.controlplane.plans import write_decision, write_plan\n"
+        "from pearl.controlplane.store.db import make_engine, transaction\n"
+        "from pearl.policies.live.policy_pass import decide\n"
+        "from pearl.controlplane.store.plan_store import write_decision, write_plan\n"
         "engine = make_engine(sys.argv[1])\n"
         "with transaction(engine, isolation_level='REPEATABLE READ') as session:\n"
         "    planned = decide(session)\n"
@@ -156,13 +156,13 @@ def test_a_planner_killed_mid_write_leaves_nothing_behind(database_url: str, db_
         assert conn.execute(text("SELECT count(*) FROM plans")).scalar() == 1
         assert conn.execute(text("SELECT status FROM plans WHERE id = :p"), {"p": earlier}).scalar() == "proposed"
         assert conn.execute(text("SELECT count(DISTINCT plan_id) FROM plan_steps")).scalar() == 1
-    assert plans.apply(db_engine, earlier).plan_id == earlier  # the plan row it locked is free again
+    assert plan_store.apply(db_engine, earlier).plan_id == earlier  # the plan row it locked is free again
 
 
 def test_a_rescue_racing_a_plan_failure_never_revives_a_step(cluster_engine: Engine, clock) -> None:
     for round_ in range(4):
         plan_id = propose(cluster_engine)
-        plans.apply(cluster_engine, plan_id)
+        plan_store.apply(cluster_engine, plan_id)
         starts = {s["key"]: s for s in claim_ready(cluster_engine, clock())}
         first = starts["w1.start"]
         with transaction(cluster_engine) as session:  # w1's agent is alive and heartbeats

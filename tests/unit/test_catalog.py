@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from pearl.controlplane.catalog import default_catalog, load_catalog
+from pearl.controlplane.core.catalog import default_catalog, load_catalog
+from pearl.controlplane.core.perfmodel import PerfModel
 from pearl.controlplane.errors import BadInput
-from pearl.controlplane.perfmodel import PerfModel
 
 pytestmark = pytest.mark.unit
 
@@ -32,7 +32,7 @@ def test_the_shipped_catalog_has_the_issue_models_and_gpus():
     moe = cat.model("qwen3-30b-a3b")
     assert moe.is_moe and (moe.experts, moe.experts_active) == (128, 8)
     assert not cat.model("qwen3-8b").is_moe
-    # KV bytes per token = 2 x layers x KV heads x head_dim x 2 bytes (calibration.md)
+    # KV bytes per token = 2 x layers x KV heads x head_dim x 2 bytes (docs/calibration.md)
     for m in (cat.model(n) for n in ("qwen3-4b", "qwen3-8b", "qwen3-32b", "qwen3-30b-a3b")):
         assert m.kv_bytes_per_token == 2 * m.layers * m.kv_heads * m.head_dim * 2
 

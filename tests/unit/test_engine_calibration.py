@@ -1,9 +1,9 @@
-"""The simulated engine against calibration.md's measured serving figures, within 25%.
+"""The simulated engine against docs/calibration.md's measured serving figures, within 25%.
 
 One figure, the prefill share of time, lands outside and is pinned as a strict expected failure
 with the reason: it is the token share's odds times the per-token cost ratio, and the token share
 depends on the paper's unpublished generation lengths; both factors are checked on their own.
-The engine's calibration is fixed (sim/calibration.py, controlplane/perfmodel.py); it is never
+The engine's calibration is fixed (sim/calibration.py, controlplane/core/perfmodel.py); it is never
 tuned to a throughput target.
 """
 

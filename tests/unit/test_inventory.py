@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from pearl.controlplane.domain import NodeZone
+from pearl.controlplane.core.domain import NodeZone
+from pearl.controlplane.core.inventory import load_inventory, parse_inventory
 from pearl.controlplane.errors import BadInput
-from pearl.controlplane.inventory import load_inventory, parse_inventory
 
 pytestmark = pytest.mark.unit
 

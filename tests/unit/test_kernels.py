@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from pearl.controlplane.catalog import default_catalog
+from pearl.controlplane.core.catalog import default_catalog
 from pearl.controlplane.errors import BadInput
-from pearl.controlplane.kernels import MeasureSpec, ffn_width, layer_shape
+from pearl.controlplane.measure.kernels import MeasureSpec, ffn_width, layer_shape
 
 pytestmark = pytest.mark.unit
 

@@ -7,10 +7,10 @@ import itertools
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from pearl.controlplane.domain import Activity, Role, StepAction, WorkerZone
+from pearl.controlplane.core.domain import Activity, Role, StepAction, WorkerZone
+from pearl.controlplane.core.fleet import FleetSnapshot, Plan, Target, WorkerSlot
+from pearl.controlplane.core.orchestrator import EXPANSION_GROUP, minimal_changes, orchestrate
 from pearl.controlplane.errors import BadInput
-from pearl.controlplane.fleet import FleetSnapshot, Plan, Target, WorkerSlot
-from pearl.controlplane.orchestrator import EXPANSION_GROUP, minimal_changes, orchestrate
 
 pytestmark = pytest.mark.unit
 

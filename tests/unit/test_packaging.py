@@ -36,6 +36,7 @@ def test_control_plane_imports_without_torch_or_sglang_and_installs_under_pearl(
                           timeout=120)
     assert done.returncode == 0, done.stderr
     probe = json.loads(done.stdout)
-    assert {"pearl.controlplane.db", "pearl.controlplane.kernels", "pearl.cli.status"} <= set(probe["imported"])
+    expected = {"pearl.controlplane.store.db", "pearl.controlplane.measure.kernels", "pearl.cli.status"}
+    assert expected <= set(probe["imported"])
     assert probe["heavy"] == []  # torch is imported only inside `pearlctl profile`, when it runs
     assert probe["generic"] == []  # no `cli`, `sim`, ... at the top of site-packages

@@ -1,11 +1,11 @@
-"""The performance model against calibration.md: decode steps, KV capacity and transfer, MoE expert
+"""The performance model against docs/calibration.md: decode steps, KV capacity and transfer, MoE expert
 touches, tensor parallelism, and the method's A and b as functions of context."""
 
 from __future__ import annotations
 
 import pytest
-from pearl.controlplane.catalog import default_catalog
-from pearl.controlplane.perfmodel import KV_TRANSFER_SETUP_S, PerfModel
+from pearl.controlplane.core.catalog import default_catalog
+from pearl.controlplane.core.perfmodel import KV_TRANSFER_SETUP_S, PerfModel
 
 pytestmark = pytest.mark.unit
 
@@ -15,7 +15,7 @@ def perf(model: str, gpu: str, tp: int = 1) -> PerfModel:
     return PerfModel(cat.model(model), cat.gpu(gpu), tp)
 
 
-# calibration.md, "Decode step model": Qwen3-8B at 1k context, B = 1 / 32 / 128 (ms), and B = 64 at 4k.
+# docs/calibration.md, "Decode step model": Qwen3-8B at 1k context, B = 1 / 32 / 128 (ms), and B = 64 at 4k.
 # The model is the roofline with the measured efficiency curve, not the estimate's formula: they agree
 # to 10% on H100 (where the estimate was calibrated) and to 20% on H200.
 @pytest.mark.parametrize(("gpu", "figures", "tolerance"), [
@@ -29,14 +29,14 @@ def test_decode_steps_match_the_calibration_estimate(gpu, figures, tolerance):
 
 
 def test_prefill_rate_per_h100():
-    # calibration.md: ~28-33k tok/s per H100 for 2-8k prompts after the 0.8 serving factor
+    # docs/calibration.md: ~28-33k tok/s per H100 for 2-8k prompts after the 0.8 serving factor
     p = perf("qwen3-8b", "h100")
     for tokens in (2048, 8192):
         assert 26_000 < 1 / p.prefill_seconds_per_token(tokens) < 36_000
 
 
 def test_kv_capacity_is_what_the_weights_leave_of_90_percent_of_hbm():
-    # KV capacity = 0.9 * HBM - weights - ~3 GB per GPU (calibration.md); a TP group holds tp shards
+    # KV capacity = 0.9 * HBM - weights - ~3 GB per GPU (docs/calibration.md); a TP group holds tp shards
     for tp in (1, 2, 4):
         p = perf("qwen3-8b", "h800", tp)
         per_gpu = 0.9 * 80e9 - 16.4e9 / tp - 3e9
@@ -46,7 +46,7 @@ def test_kv_capacity_is_what_the_weights_leave_of_90_percent_of_hbm():
 
 
 def test_kv_transfer_of_qwen3_8b_costs_about_3_7_ms_per_1k_tokens():
-    p = perf("qwen3-8b", "h800")  # 40 GB/s per GPU over RDMA (calibration.md)
+    p = perf("qwen3-8b", "h800")  # 40 GB/s per GPU over RDMA (docs/calibration.md)
     assert p.kv_transfer_time(1000) - KV_TRANSFER_SETUP_S == pytest.approx(3.7e-3, rel=0.02)
     # each TP rank moves its own shard over its own NIC
     two = perf("qwen3-8b", "h800", 2)
@@ -55,7 +55,7 @@ def test_kv_transfer_of_qwen3_8b_costs_about_3_7_ms_per_1k_tokens():
 
 def test_moe_decode_reads_more_experts_as_the_batch_grows():
     moe = perf("qwen3-30b-a3b", "h800", 2)
-    # experts_touched(B) = 128 * (1 - (1 - 8/128)^B) (calibration.md)
+    # experts_touched(B) = 128 * (1 - (1 - 8/128)^B) (docs/calibration.md)
     for batch in (1, 8, 32, 128):
         assert moe.experts_touched(batch) == pytest.approx(128 * (1 - (1 - 8 / 128) ** batch))
     assert moe.experts_touched(64) > 0.98 * 128  # at batch >= ~32 nearly every expert is read

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from pearl.controlplane.domain import Activity, Role, WorkerZone
-from pearl.controlplane.fleet import FleetSnapshot, WorkerSlot
-from pearl.controlplane.orchestrator import orchestrate
+from pearl.controlplane.core.domain import Activity, Role, WorkerZone
+from pearl.controlplane.core.fleet import FleetSnapshot, WorkerSlot
+from pearl.controlplane.core.orchestrator import orchestrate
 from pearl.policies.base import NoMemory, Signals, colocated, split
 from pearl.policies.baselines import ColocatedBaseline
 from pearl.policies.elasticity import dedicated_capacity, overlap_capacity

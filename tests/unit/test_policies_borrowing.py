@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 
 import pytest
-from pearl.controlplane.domain import Activity, Role, WorkerZone
+from pearl.controlplane.core.domain import Activity, Role, WorkerZone
+from pearl.controlplane.core.fleet import FleetSnapshot, WorkerSlot
 from pearl.controlplane.errors import BadInput
-from pearl.controlplane.fleet import FleetSnapshot, WorkerSlot
 from pearl.policies.base import Signals
 from pearl.policies.borrowing import TOGGLE_EMA, ToggleCost, borrowable, gate, toggle_cost_prior
 

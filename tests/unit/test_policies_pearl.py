@@ -7,15 +7,15 @@ import json
 from dataclasses import replace
 
 import pytest
-from pearl.controlplane.catalog import default_catalog
-from pearl.controlplane.domain import Activity, Mode, Role, WorkerZone
+from pearl.controlplane.core.catalog import default_catalog
+from pearl.controlplane.core.domain import Activity, Mode, Role, WorkerZone
+from pearl.controlplane.core.fleet import FleetSnapshot, WorkerSlot
+from pearl.controlplane.core.orchestrator import orchestrate
+from pearl.controlplane.core.perfmodel import PerfModel
+from pearl.controlplane.core.predictor import Config, predict
+from pearl.controlplane.core.selector import select
+from pearl.controlplane.core.telemetry import StepTelemetry
 from pearl.controlplane.errors import BadInput
-from pearl.controlplane.fleet import FleetSnapshot, WorkerSlot
-from pearl.controlplane.orchestrator import orchestrate
-from pearl.controlplane.perfmodel import PerfModel
-from pearl.controlplane.predictor import Config, predict
-from pearl.controlplane.selector import select
-from pearl.controlplane.telemetry import StepTelemetry
 from pearl.policies.base import Signals
 from pearl.policies.borrowing import ToggleCost
 from pearl.policies.pearl import Borrow, PearlMemory, PearlPolicy

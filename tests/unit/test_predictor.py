@@ -9,11 +9,10 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from pearl.controlplane.catalog import default_catalog
-from pearl.controlplane.domain import Mode, Role
-from pearl.controlplane.errors import BadInput
-from pearl.controlplane.perfmodel import PerfModel
-from pearl.controlplane.predictor import (
+from pearl.controlplane.core.catalog import default_catalog
+from pearl.controlplane.core.domain import Mode, Role
+from pearl.controlplane.core.perfmodel import PerfModel
+from pearl.controlplane.core.predictor import (
     Config,
     describe,
     evaluate,
@@ -24,8 +23,9 @@ from pearl.controlplane.predictor import (
     predict_paper,
     prepare,
 )
-from pearl.controlplane.profile import WorkloadPools, profile_from_workload
-from pearl.controlplane.workload import Workload
+from pearl.controlplane.core.profile import WorkloadPools, profile_from_workload
+from pearl.controlplane.core.workload import Workload
+from pearl.controlplane.errors import BadInput
 from pearl.sim.scenario import load_scenario
 
 pytestmark = pytest.mark.unit
@@ -269,7 +269,7 @@ def test_a_known_batch_is_timed_by_its_own_slowest_trajectory(prior):
 
 # -- properties over random workloads -----------------------------------------------------------------
 
-# Two configurations timed on the same sample differ with ~0.3% noise (policies/switching.py): the
+# Two configurations timed on the same sample differ with ~0.3% noise (controlplane/core/switching.py): the
 # orderings below hold up to that.
 NOISE = 0.005
 SHAPES = (("qwen3-8b", "h800", 2), ("qwen3-4b", "h100", 1), ("qwen3-30b-a3b", "h800", 2), ("qwen3-32b", "h200", 4))

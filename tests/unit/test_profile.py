@@ -9,10 +9,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from pearl.controlplane.catalog import default_catalog
-from pearl.controlplane.errors import BadInput
-from pearl.controlplane.perfmodel import PerfModel
-from pearl.controlplane.profile import (
+from pearl.controlplane.core.catalog import default_catalog
+from pearl.controlplane.core.perfmodel import PerfModel
+from pearl.controlplane.core.profile import (
     DECODE_BATCHES,
     Provenance,
     WorkloadPools,
@@ -25,7 +24,8 @@ from pearl.controlplane.profile import (
     profile_to_dict,
     quantile_pool,
 )
-from pearl.controlplane.workload import Workload
+from pearl.controlplane.core.workload import Workload
+from pearl.controlplane.errors import BadInput
 from pearl.sim.scenario import load_scenario
 
 pytestmark = pytest.mark.unit

@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from pearl.controlplane.catalog import default_catalog
-from pearl.controlplane.domain import Mode
+from pearl.controlplane.core.catalog import default_catalog
+from pearl.controlplane.core.domain import Mode
+from pearl.controlplane.core.perfmodel import PerfModel
+from pearl.controlplane.core.predictor import Config, predict
+from pearl.controlplane.core.profile import profile_from_workload
+from pearl.controlplane.core.selector import _continuation, candidates_for, select
+from pearl.controlplane.core.switching import SwitchCosts
 from pearl.controlplane.errors import BadInput
-from pearl.controlplane.perfmodel import PerfModel
-from pearl.controlplane.predictor import Config, predict
-from pearl.controlplane.profile import profile_from_workload
-from pearl.controlplane.selector import _continuation, candidates_for, select
-from pearl.policies.switching import SwitchCosts
 from pearl.sim.scenario import load_scenario
 
 pytestmark = pytest.mark.unit
@@ -129,9 +129,9 @@ def test_selection_is_deterministic(prior):
 
 
 def test_current_config_of_a_fleet():
-    from pearl.controlplane.domain import Activity, Role, WorkerZone
-    from pearl.controlplane.fleet import FleetSnapshot, WorkerSlot
-    from pearl.controlplane.selector import current_config
+    from pearl.controlplane.core.domain import Activity, Role, WorkerZone
+    from pearl.controlplane.core.fleet import FleetSnapshot, WorkerSlot
+    from pearl.controlplane.core.selector import current_config
 
     def slot(i, role, activity=Activity.ACTIVE):
         return WorkerSlot(i, "n0", (i,), WorkerZone.DEDICATED, role, activity)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 from pearl.controlplane.errors import BadInput
-from pearl.controlplane.settings import check_broker_url, get_settings, normalise_database_url, redact_url
+from pearl.controlplane.services.settings import check_broker_url, get_settings, normalise_database_url, redact_url
 
 pytestmark = pytest.mark.unit
 

@@ -8,9 +8,9 @@ import math
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from pearl.controlplane.catalog import default_catalog
-from pearl.controlplane.domain import Role
-from pearl.controlplane.perfmodel import PerfModel
+from pearl.controlplane.core.catalog import default_catalog
+from pearl.controlplane.core.domain import Role
+from pearl.controlplane.core.perfmodel import PerfModel
 from pearl.sim.engine import ABORTED, FINISHED, PREFILLED, Engine, EngineTiming, Request
 from pearl.sim.trajectories import Trajectory
 

@@ -6,18 +6,18 @@ from __future__ import annotations
 import heapq
 
 import pytest
-from pearl.controlplane.catalog import default_catalog
-from pearl.controlplane.domain import Activity, Role
-from pearl.controlplane.orchestrator import orchestrate
-from pearl.controlplane.perfmodel import PerfModel
-from pearl.controlplane.predictor import Config
+from pearl.controlplane.core.catalog import default_catalog
+from pearl.controlplane.core.domain import Activity, Role
+from pearl.controlplane.core.orchestrator import orchestrate
+from pearl.controlplane.core.perfmodel import PerfModel
+from pearl.controlplane.core.predictor import Config
+from pearl.controlplane.core.switching import SwitchCosts, switch_cost_s
 from pearl.policies.base import colocated, split
-from pearl.policies.switching import SwitchCosts, switch_cost_s
-from pearl.sim.cluster import Cluster
 from pearl.sim.engine import Engine, EngineTiming, Request
 from pearl.sim.executor import Executor
 from pearl.sim.scenario import load_scenario
 from pearl.sim.trajectories import Trajectory
+from pearl.sim.workers import Cluster
 
 pytestmark = pytest.mark.unit
 

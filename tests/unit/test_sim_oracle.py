@@ -9,8 +9,8 @@ from dataclasses import replace
 
 import pytest
 from pearl.cli.app import app
-from pearl.controlplane.domain import Activity, Mode, Role, WorkerZone
-from pearl.controlplane.fleet import FleetSnapshot, WorkerSlot
+from pearl.controlplane.core.domain import Activity, Mode, Role, WorkerZone
+from pearl.controlplane.core.fleet import FleetSnapshot, WorkerSlot
 from pearl.policies.base import Signals
 from pearl.sim.experiments import Comparison, compare
 from pearl.sim.metrics import Result, Timeline, common_mean_makespans
@@ -176,8 +176,8 @@ def test_a_step_that_ends_late_fails_sim_compare(monkeypatch):
 
 
 def test_the_ceiling_bounds_the_oracle_and_times_a_lone_trajectory():
-    from pearl.controlplane.catalog import default_catalog
-    from pearl.controlplane.perfmodel import PerfModel
+    from pearl.controlplane.core.catalog import default_catalog
+    from pearl.controlplane.core.perfmodel import PerfModel
     from pearl.sim.ceiling import ceiling, trajectory_floor_s
     from pearl.sim.engine import EngineTiming
     from pearl.sim.trajectories import Trajectory

@@ -4,7 +4,7 @@ lost, borrowed GPUs back before every training step, and what each ablation chan
 from __future__ import annotations
 
 import pytest
-from pearl.controlplane.domain import NodeZone, Role, WorkerZone
+from pearl.controlplane.core.domain import NodeZone, Role, WorkerZone
 from pearl.sim.runner import Simulation
 from pearl.sim.scenario import load_scenario
 from pearl.sim.systems import ABLATIONS, SYSTEMS, system

@@ -9,13 +9,13 @@ import json
 
 import pytest
 from pearl.cli.app import app
-from pearl.controlplane.catalog import default_catalog
-from pearl.controlplane.domain import Role
+from pearl.controlplane.core.catalog import default_catalog
+from pearl.controlplane.core.domain import Role
+from pearl.controlplane.core.perfmodel import PerfModel
+from pearl.controlplane.core.predictor import Config
+from pearl.controlplane.core.selector import select
+from pearl.controlplane.core.tracker import fit_profile
 from pearl.controlplane.errors import BadInput
-from pearl.controlplane.perfmodel import PerfModel
-from pearl.controlplane.predictor import Config
-from pearl.controlplane.selector import select
-from pearl.controlplane.tracker import fit_profile
 from pearl.policies.baselines import StaticSplit
 from pearl.sim import ratio as ratio_module
 from pearl.sim.engine import Engine, EngineTiming, Request

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from pearl.controlplane.catalog import default_catalog
-from pearl.controlplane.domain import Role
-from pearl.controlplane.perfmodel import PerfModel
+from pearl.controlplane.core.catalog import default_catalog
+from pearl.controlplane.core.domain import Role
+from pearl.controlplane.core.perfmodel import PerfModel
 from pearl.sim.engine import Engine, EngineTiming
 from pearl.sim.router import Router
 from pearl.sim.trajectories import Trajectory

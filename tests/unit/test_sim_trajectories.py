@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from pearl.controlplane.telemetry import StepTelemetry
+from pearl.controlplane.core.telemetry import StepTelemetry
 from pearl.sim.scenario import load_scenario
 from pearl.sim.trajectories import sample_batch
 

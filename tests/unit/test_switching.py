@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from pearl.controlplane.core.predictor import Config
+from pearl.controlplane.core.switching import NOISE_MARGIN, SwitchCosts, decide_switch, switch_cost_s
 from pearl.controlplane.errors import BadInput
-from pearl.controlplane.predictor import Config
-from pearl.policies.switching import NOISE_MARGIN, SwitchCosts, decide_switch, switch_cost_s
 
 pytestmark = pytest.mark.unit
 

@@ -9,11 +9,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from pearl.controlplane.catalog import default_catalog
-from pearl.controlplane.errors import BadInput
-from pearl.controlplane.perfmodel import PerfModel
-from pearl.controlplane.predictor import Config, predict, predict_batch
-from pearl.controlplane.profile import (
+from pearl.controlplane.core.catalog import default_catalog
+from pearl.controlplane.core.perfmodel import PerfModel
+from pearl.controlplane.core.predictor import Config, predict, predict_batch
+from pearl.controlplane.core.profile import (
     Provenance,
     draw_trajectories,
     pools_from_workload,
@@ -21,8 +20,9 @@ from pearl.controlplane.profile import (
     profile_from_workload,
     profile_to_dict,
 )
-from pearl.controlplane.telemetry import parse_telemetry
-from pearl.controlplane.tracker import censored_distribution, fit_profile, trajectory_sample
+from pearl.controlplane.core.telemetry import parse_telemetry
+from pearl.controlplane.core.tracker import censored_distribution, fit_profile, trajectory_sample
+from pearl.controlplane.errors import BadInput
 from pearl.sim.scenario import load_scenario
 
 pytestmark = pytest.mark.unit

@@ -1,0 +1,100 @@
+"""The cluster inventory file (docs/formats.md, "Inventory"): validation and canonical form.
+
+Pure: no database. Errors name the field (`nodes.2.zone: ...`) and are raised as BadInput, before
+anything is written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pearl.controlplane.core.catalog import default_catalog
+from pearl.controlplane.core.domain import NodeZone
+from pearl.controlplane.core.workload import Workload
+from pearl.controlplane.errors import BadInput
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class InventoryNode(_Strict):
+    name: str = Field(min_length=1)  # unique in the inventory
+    zone: NodeZone
+    gpus: int = Field(gt=0)  # a multiple of the inventory's tp
+    address: str = Field(min_length=1)  # need not be unique: several nodes may share a host
+
+
+class Inventory(_Strict):
+    model: str  # catalog name
+    gpu: str  # catalog name
+    tp: int = Field(gt=0)  # GPUs per worker
+    nodes: tuple[InventoryNode, ...] = Field(min_length=1)
+    workload: Workload | None = None  # the prior until telemetry arrives
+
+    @property
+    def total_gpus(self) -> int:
+        return sum(n.gpus for n in self.nodes)
+
+    def canonical(self) -> dict[str, Any]:
+        """The inventory as stored: defaults filled in, so equal inventories compare equal."""
+        return self.model_dump(mode="json", exclude_none=True)
+
+    def digest(self) -> str:
+        """sha256 of the canonical form: a re-import of the same inventory is recognised by it."""
+        blob = json.dumps(self.canonical(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def _format(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"])
+        parts.append(f"{loc}: {err['msg']}" if loc else err["msg"])
+    return "; ".join(parts)
+
+
+def parse_inventory(raw: Any, source: str = "inventory") -> Inventory:
+    """Validate a parsed inventory document; BadInput names the first offending fields."""
+    if not isinstance(raw, dict):
+        raise BadInput(f"{source}: an inventory is a mapping with model, gpu, tp and nodes")
+    try:
+        inventory = Inventory.model_validate(raw)
+    except ValidationError as exc:
+        raise BadInput(f"{source}: {_format(exc)}") from None
+    seen: dict[str, int] = {}
+    for i, node in enumerate(inventory.nodes):
+        if node.name in seen:
+            raise BadInput(
+                f"{source}: nodes.{i}.name: duplicate node name {node.name!r} (also nodes.{seen[node.name]})"
+            )
+        seen[node.name] = i
+        if node.gpus % inventory.tp:
+            raise BadInput(
+                f"{source}: nodes.{i}.gpus: {node.gpus} GPUs on {node.name!r} is not a multiple of tp ({inventory.tp})"
+            )
+    catalog = default_catalog()
+    try:
+        catalog.model(inventory.model)
+        catalog.gpu(inventory.gpu)
+    except BadInput as exc:
+        raise BadInput(f"{source}: {exc}") from None
+    return inventory
+
+
+def load_inventory(path: str | Path) -> Inventory:
+    """Read and validate an inventory YAML file."""
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise BadInput(f"{path}: cannot read the inventory: {exc.strerror}") from None
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise BadInput(f"{path}: not valid YAML: {exc}") from None
+    return parse_inventory(raw, str(path))

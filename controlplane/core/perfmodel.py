@@ -1,0 +1,175 @@
+"""Performance model of one rollout worker (a TP group running one model): time of an engine iteration.
+
+Pure: no I/O. The simulator's engine times every iteration with `iteration_time`, and the predictor
+draws its makespan parameters (A, b, t_p, KV transfer, KV capacity) from the same functions, so the
+code that is measured and the code that predicts share one model of the hardware.
+
+Every figure below is fixed calibration, with its source; none is tuned to a throughput target.
+
+Roofline with measured efficiency (docs/calibration.md, `h100-7b-linear-efficiency.csv`, vidur):
+  T_linear(n) = max(weight bytes read / (HBM_BW * MBU_PEAK),  n * F / (PEAK * MFU(n)))
+  MFU(n) = MFU_PEAK * n / (n + MFU_HALF_TOKENS)
+fitted to the CSV's 7B/H100 per-layer times (RMS log error 6.3% over 1..4096 tokens per step; the
+knee at 128-256 tokens per step).
+
+Serving efficiency (docs/calibration.md, "End-to-end serving efficiency under agentic load"):
+- prefill runs at PREFILL_SERVING_FACTOR of the kernel roofline (the 0.8 serving-overhead factor;
+  lands Llama-3.1-8B on one H100 at ~27-28k tok/s for 8k prompts, measured 27.7k, sglang PR #1060);
+- decode at batch 1 is weight streaming plus STEP_OVERHEAD_S (7.06 ms/token measured for Llama-3-8B
+  with CUDA graphs; this model gives ~6.7 ms);
+- MoE expert weights stream at MOE_EXPERT_BW_EFFICIENCY of HBM peak: small per-expert batches make
+  the fused-MoE kernels far less efficient than dense GEMV. Calibrated to PEARL's measurement of
+  Qwen3-30B-A3B on H800, TP2, colocated: ~400 decode tok/s per GPU at batch ~32 and ~8k context,
+  where the dense roofline predicts ~1,000-1,300;
+- each running sequence costs PER_SEQUENCE_OVERHEAD_S of scheduler CPU time per iteration (batch
+  assembly, sampling, detokenization), overlapped with the GPU's work by SGLang's overlap scheduler
+  (on by default since v0.4); checked against SGLang's ShareGPT saturation on one H100 (10.9k output
+  tok/s of 24k total, sglang issue #1639).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+from pearl.controlplane.core.catalog import GPUSpec, ModelSpec
+
+MBU_PEAK = 0.78  # weight streaming share of HBM peak at small batch (CSV, MBU_vs_3350 at 1-8 tokens)
+MFU_PEAK = 0.80  # asymptotic GEMM share of dense peak (CSV fit)
+MFU_HALF_TOKENS = 250.0  # tokens per step at which GEMMs reach half of MFU_PEAK (CSV fit)
+ATTENTION_BW_EFFICIENCY = 0.75  # decode attention reads the KV cache at 75% of HBM peak (docs/calibration.md)
+ATTENTION_FLOPS_EFFICIENCY = 0.5  # prefill attention kernels vs dense peak [EST; FlashAttention-2/3 range]
+STEP_OVERHEAD_S = 0.0005  # fixed per iteration: launch, sampling (docs/calibration.md decode step model)
+PREFILL_SERVING_FACTOR = 0.8  # end-to-end prefill vs kernel roofline (docs/calibration.md)
+MOE_EXPERT_BW_EFFICIENCY = 0.25  # see the module docstring (PEARL 30B-A3B H800 measurement)
+PER_SEQUENCE_OVERHEAD_S = 15e-6  # scheduler CPU time per running sequence per iteration [EST, #1639]
+TP_ALLREDUCE_LATENCY_S = 8e-6  # one small all-reduce over NVLink (custom all-reduce) [EST]
+KV_MEMORY_FRACTION = 0.9  # SGLang mem_fraction_static-like share of HBM the engine takes
+ACTIVATION_RESERVE_BYTES = 3e9  # activations, CUDA graphs, NCCL buffers per GPU (docs/calibration.md)
+KV_TRANSFER_SETUP_S = 0.002  # per-request KV handshake between prefill and decode pools [EST]
+
+
+@dataclass(frozen=True)
+class PerfModel:
+    """Timing of one worker: `model` served with tensor parallelism `tp` on `gpu`s."""
+
+    model: ModelSpec
+    gpu: GPUSpec
+    tp: int
+
+    # -- capacity -------------------------------------------------------------------------------
+
+    @cached_property
+    def kv_capacity_tokens(self) -> int:
+        """Tokens of KV cache one worker holds (all TP ranks together)."""
+        per_gpu = (
+            KV_MEMORY_FRACTION * self.gpu.hbm_gb * 1e9 - self.model.weight_bytes / self.tp - ACTIVATION_RESERVE_BYTES
+        )
+        return max(0, int(per_gpu * self.tp / self.model.kv_bytes_per_token))
+
+    # -- building blocks ------------------------------------------------------------------------
+
+    def experts_touched(self, tokens: int) -> float:
+        """Experts each layer reads for a step of `tokens` tokens (docs/calibration.md, MoE decode)."""
+        m = self.model
+        if not m.is_moe or tokens <= 0:
+            return 0.0
+        return m.experts * (1.0 - (1.0 - m.experts_active / m.experts) ** tokens)
+
+    def weight_read_time(self, tokens: int) -> float:
+        """Streaming the weights one step reads, per GPU."""
+        m, bw = self.model, self.gpu.hbm_tbps * 1e12
+        dense_bytes = (m.weight_bytes - m.expert_bytes) / self.tp
+        t = dense_bytes / (bw * MBU_PEAK)
+        if m.is_moe:
+            expert_bytes = m.expert_bytes * self.experts_touched(tokens) / m.experts / self.tp
+            t += expert_bytes / (bw * MOE_EXPERT_BW_EFFICIENCY)
+        return t
+
+    def linear_compute_time(self, tokens: int) -> float:
+        if tokens <= 0:
+            return 0.0
+        mfu = MFU_PEAK * tokens / (tokens + MFU_HALF_TOKENS)
+        return tokens * self.model.linear_flops_per_token / self.tp / (self.gpu.bf16_tflops * 1e12 * mfu)
+
+    def tp_comm_time(self, tokens: int) -> float:
+        """Two all-reduces of the hidden states per layer (ring: 2(tp-1)/tp of the bytes)."""
+        if self.tp == 1 or tokens <= 0:
+            return 0.0
+        nbytes = tokens * self.model.hidden * 2
+        per = TP_ALLREDUCE_LATENCY_S + 2 * (self.tp - 1) / self.tp * nbytes / (self.gpu.nvlink_gbps * 1e9)
+        return 2 * self.model.layers * per
+
+    def decode_attention_time(self, context_tokens: float) -> float:
+        """Reading the KV cache of all decoding sequences (`context_tokens` summed over them)."""
+        kv_bytes = context_tokens * self.model.kv_bytes_per_token / self.tp
+        return kv_bytes / (self.gpu.hbm_tbps * 1e12 * ATTENTION_BW_EFFICIENCY)
+
+    def prefill_attention_time(self, tokens: float, context_before: float) -> float:
+        """Attention of `tokens` new tokens that see `context_before` cached tokens plus each other."""
+        flops = tokens * (context_before + tokens / 2) * self.model.attention_flops_per_token_per_ctx
+        return flops / self.tp / (self.gpu.bf16_tflops * 1e12 * ATTENTION_FLOPS_EFFICIENCY)
+
+    # -- an engine iteration --------------------------------------------------------------------
+
+    def iteration_time(
+        self,
+        prefill_tokens: int = 0,
+        prefill_attention_s: float = 0.0,
+        decode_batch: int = 0,
+        decode_context_tokens: float = 0.0,
+    ) -> float:
+        """One forward pass of a continuous-batching engine.
+
+        `prefill_tokens` new prompt tokens (chunked prefill; their attention cost precomputed with
+        `prefill_attention_time`, summed over requests) plus `decode_batch` sequences decoding one
+        token each over `decode_context_tokens` of cached context in total.
+        """
+        tokens = prefill_tokens + decode_batch
+        if tokens <= 0:
+            return 0.0
+        linear = max(self.weight_read_time(tokens), self.linear_compute_time(tokens))
+        gpu = linear + prefill_attention_s + self.tp_comm_time(tokens) + STEP_OVERHEAD_S
+        if prefill_tokens > 0:
+            # end-to-end prefill serving efficiency applies to the prefill share of the pass
+            share = prefill_tokens / tokens
+            gpu += (1.0 / PREFILL_SERVING_FACTOR - 1.0) * share * (linear + prefill_attention_s)
+        # SGLang's overlap scheduler prepares the next batch on the CPU while the GPU runs this one, so
+        # the per-sequence CPU cost only shows when it exceeds the GPU work. Overlapping it with the
+        # context-independent GPU work alone (conservative) keeps the iteration time affine in the
+        # decode context, which the simulator's closed-form advance relies on.
+        cpu = PER_SEQUENCE_OVERHEAD_S * decode_batch
+        return max(gpu, cpu) + self.decode_attention_time(decode_context_tokens)
+
+    def decode_step_time(self, batch: int, context_mean: float) -> float:
+        """A decode-only iteration: `batch` sequences of mean context `context_mean`."""
+        return self.iteration_time(decode_batch=batch, decode_context_tokens=batch * context_mean)
+
+    def prefill_time(self, tokens: int, context_before: float = 0.0, chunk: int = 8192) -> float:
+        """Prefill of one request alone: `tokens` new tokens after `context_before` cached ones."""
+        t, done = 0.0, 0
+        while done < tokens:
+            n = min(chunk, tokens - done)
+            att = self.prefill_attention_time(n, context_before + done)
+            t += self.iteration_time(prefill_tokens=n, prefill_attention_s=att)
+            done += n
+        return t
+
+    def kv_transfer_time(self, tokens: float) -> float:
+        """Moving `tokens` of KV from a prefill worker to a decode worker (each TP rank its shard)."""
+        bw = self.gpu.nic_gbps * 1e9 * self.tp
+        return KV_TRANSFER_SETUP_S + tokens * self.model.kv_bytes_per_token / bw
+
+    # -- the predictor's parameters -------------------------------------------------------------
+
+    def decode_coefficients(self, context_mean: float, batch_hint: int = 32) -> tuple[float, float]:
+        """(A, b) of the method's decode model `T_iter(B) = A + b*B`, by a secant around `batch_hint`."""
+        lo, hi = max(1, batch_hint // 2), max(2, batch_hint * 2)
+        t_lo = self.decode_step_time(lo, context_mean)
+        t_hi = self.decode_step_time(hi, context_mean)
+        b = (t_hi - t_lo) / (hi - lo)
+        return t_lo - b * lo, b
+
+    def prefill_seconds_per_token(self, tokens: int = 2048, context_before: float = 0.0) -> float:
+        """t_p: prefill time per token for a chunk of `tokens` after `context_before` cached tokens."""
+        return self.prefill_time(tokens, context_before) / tokens

@@ -1,0 +1,611 @@
+"""Makespan of one rollout step for a configuration: the paper's formulas and pearl's model.
+
+Pure: no I/O; numpy only. The selector ranks configurations with `evaluate` (vectorised over
+configurations); `predict` gives one configuration with its components for `plan --explain`.
+
+The paper's formulas (docs/method.md), kept verbatim for comparison:
+  colocated     T_c   = S * ((B*ΔL/N) * t_p + r * (A + b*B/N) + T_over) + T_env
+  disaggregated T_dec = S * r * (A + b*B/(N_D*(1+θ))) * (1+θ)
+                T_pre = S * (B*ΔL*t_p/N_P + B*ΔL*K/BW)
+                T_d   = max(T_pre, T_dec) + T_env
+
+pearl's model. Every trajectory j of the profile's sample is timed turn by turn; turn k of every
+trajectory is assumed to run while the others still alive run their own turn k ("rounds"), so round
+k's load comes from alive(k) = B * P(turns > k) trajectories of mean context ctx(k):
+  T_j = Σ_k [ gen_jk * T_iter(n_k, ctx_k) * q_k            decode at the batch of round k
+            + prefill_jk                                    new tokens, plus the context on a miss
+            + xfer_jk + wait_k + stall_k + T_over ] + env_j
+and the makespan is the expected maximum of B draws of T_j (`profile.expected_max`). This models:
+- the long tail: late rounds have few trajectories alive, so their iterations cost ~A, not A + bB/N;
+  the turns of the slowest trajectory are the maximum of B draws, context cap included;
+- the prefix cache: a turn prefills only its new tokens on the worker that holds its prefix (sticky
+  routing); the whole context again when the prefix was evicted (miss rate from the cached
+  footprint over the KV capacity). In split mode the prefill worker never computed the previous
+  turn's generated tokens, so each turn prefills them too, and the decode worker receives the
+  whole context's KV;
+- KV transfer contention: the trajectories of a prefill worker share its NICs (M/D/1 wait), and a
+  round cannot be shorter than the prefill or NIC work of the busiest prefill worker (stall);
+- KV capacity: a decode worker runs at most capacity/ctx sequences at once; the rest queue (q_k).
+Colocated workers interleave prefill with decode: the prefills of the other trajectories on the
+worker that land while a trajectory decodes (a share f of them) delay it. The share f of time a
+trajectory spends decoding is solved per configuration by a fixed point rather than taken from
+the measured f, which belongs to the configuration that was measured.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from pearl.controlplane.core.domain import Mode, Role
+from pearl.controlplane.core.profile import Profile, TrajectorySample
+from pearl.controlplane.errors import BadInput
+
+FIXED_POINT_ITERATIONS = 4  # f converges to <1% in 3-4 iterations on the paper workloads
+MAX_UTILISATION = 0.9  # M/D/1 waits are capped here; beyond, the round stretches (stall)
+PARTS = ("decode_s", "prefill_s", "kv_transfer_s", "queue_s", "overhead_s", "env_s")  # critical-path components
+LEAD_SHARE = 0.12  # the slowest share of the sample that carries the expected maximum ((0.88)^64 ~ 3e-4 left)
+SURVIVAL_POINTS = 128  # pass 2 reads alive(τ) from this many order statistics of pass 1 (B/128 resolution)
+TAIL_QUANTILE = 0.9  # `tail_s`: time from 90% of trajectories finished to the expected last
+
+
+@dataclass(frozen=True, order=True)
+class Config:
+    """A shape of the rollout fleet: N colocated workers, or N_P prefill plus N_D decode workers."""
+
+    n_colocated: int = 0
+    n_prefill: int = 0
+    n_decode: int = 0
+
+    def __post_init__(self) -> None:
+        if min(self.n_colocated, self.n_prefill, self.n_decode) < 0:
+            raise BadInput(f"config: worker counts must be >= 0 ({self})")
+        if self.n_colocated and (self.n_prefill or self.n_decode):
+            raise BadInput("config: all colocated or all split")
+        if not self.n_colocated and not (self.n_prefill >= 1 and self.n_decode >= 1):
+            raise BadInput("config: a split needs at least one prefill and one decode worker")
+
+    @classmethod
+    def colocated(cls, n: int) -> Config:
+        return cls(n_colocated=n)
+
+    @classmethod
+    def split(cls, n_prefill: int, n_decode: int) -> Config:
+        return cls(n_prefill=n_prefill, n_decode=n_decode)
+
+    @property
+    def mode(self) -> Mode:
+        return Mode.COLOCATED if self.n_colocated else Mode.SPLIT
+
+    @property
+    def workers(self) -> int:
+        return self.n_colocated + self.n_prefill + self.n_decode
+
+    @property
+    def label(self) -> str:
+        """'colocated' or e.g. '4P12D' (the `sim ratio` vocabulary)."""
+        return "colocated" if self.n_colocated else f"{self.n_prefill}P{self.n_decode}D"
+
+    def __str__(self) -> str:
+        return f"colocated x{self.n_colocated}" if self.n_colocated else self.label
+
+    def counts(self) -> dict[Role, int]:
+        """Workers per role, as a `Target` wants them."""
+        if self.n_colocated:
+            return {Role.COLOCATED: self.n_colocated}
+        return {Role.PREFILL: self.n_prefill, Role.DECODE: self.n_decode}
+
+    @classmethod
+    def from_counts(cls, counts: dict[Role, int]) -> Config | None:
+        """The config of a fleet's active roles; None when nothing is active or the roles form
+        neither shape (mid-way through a mode change, or a split missing one side)."""
+        c, p, d = (counts.get(r, 0) for r in (Role.COLOCATED, Role.PREFILL, Role.DECODE))
+        if c and not (p or d):
+            return cls(n_colocated=c)
+        if p and d and not c:
+            return cls(n_prefill=p, n_decode=d)
+        return None
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Predicted makespan of one configuration and the critical path's components (seconds)."""
+
+    config: Config
+    makespan_s: float  # expected time to finish the step (the remaining part when remaining < 1)
+    feasible: bool
+    reason: str  # why it is infeasible, else ""
+    components: dict[str, float] = field(default_factory=dict)  # decode, prefill, ... along the critical path
+    diagnostics: dict[str, float] = field(default_factory=dict)  # miss rate, utilisations, ...
+
+
+# -- the paper's formulas -------------------------------------------------------------------------
+
+
+def makespan_colocated_paper(
+    *, S: float, B: float, N: int, delta_l: float, r: float, t_p: float, A: float, b: float, T_over: float, T_env: float
+) -> float:
+    """T_c = S * ((B*ΔL/N) * t_p + r * (A + b*B/N) + T_over) + T_env (docs/method.md)."""
+    return S * ((B * delta_l / N) * t_p + r * (A + b * B / N) + T_over) + T_env
+
+
+def makespan_disaggregated_paper(
+    *,
+    S: float,
+    B: float,
+    N_P: int,
+    N_D: int,
+    delta_l: float,
+    r: float,
+    t_p: float,
+    A: float,
+    b: float,
+    theta: float,
+    K: float,
+    BW: float,
+    T_env: float,
+) -> float:
+    """T_d = max(T_pre, T_dec) + T_env with T_dec = S*r*(A + b*B/(N_D*(1+θ)))*(1+θ) and
+    T_pre = S*(B*ΔL*t_p/N_P + B*ΔL*K/BW) (docs/method.md)."""
+    t_dec = S * r * (A + b * B / (N_D * (1 + theta))) * (1 + theta)
+    t_pre = S * (B * delta_l * t_p / N_P + B * delta_l * K / BW)
+    return np.maximum(t_pre, t_dec) + T_env
+
+
+def predict_paper(profile: Profile, config: Config) -> float:
+    """The paper's makespan for `config` with the profile's symbols."""
+    p = profile
+    common = {"S": p.S, "B": p.batch_size, "delta_l": p.delta_l, "r": p.r, "t_p": p.t_p, "A": p.A, "b": p.b}
+    if config.mode is Mode.COLOCATED:
+        return makespan_colocated_paper(N=config.n_colocated, T_over=p.t_over_s, T_env=p.T_env, **common)
+    return float(
+        makespan_disaggregated_paper(
+            N_P=config.n_prefill, N_D=config.n_decode, theta=p.theta, K=p.K, BW=p.BW, T_env=p.T_env, **common
+        )
+    )
+
+
+# -- pearl's model --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class _Rows:
+    """Per-trajectory matrices (rows: trajectories, columns: rounds = turn index)."""
+
+    gen: np.ndarray  # G[j,k]: tokens generated in turn k
+    turn: np.ndarray  # I[j,k]: 1 where turn k exists
+    env_turn: np.ndarray  # environment time after turn k
+    pre_colocated: np.ndarray  # prefill of turn k's new tokens, prefix cached (colocated)
+    pre_split: np.ndarray  # the same in split mode (previous turn's generation included)
+    miss_tokens: np.ndarray  # CB[j,k]: context to re-prefill on a prefix miss (times t_p0)
+    miss_attention: np.ndarray  # CB^2/2 (times t_pc)
+    transfer: np.ndarray  # KV transfer of the context after turn k's prefill (split)
+
+    def take(self, idx: np.ndarray) -> _Rows:
+        return _Rows(**{name: getattr(self, name)[idx] for name in self.__dataclass_fields__})
+
+
+@dataclass(frozen=True, eq=False)
+class Workbook:
+    """The profile's sample as round-indexed matrices; built once per profile (`prepare` caches it)."""
+
+    profile: Profile
+    rows: _Rows  # all K sampled trajectories
+    lead: _Rows  # the rows that can be among the slowest of B under any configuration
+    lead_matrix: np.ndarray  # [G | CB | CB^2/2 | I] of the lead rows: pass 1 is one product with it
+    lead_constant: dict[bool, np.ndarray]  # per split flag: what no configuration changes (prefill, env, ...)
+    rows_matrix: np.ndarray  # the same for all rows (the completion times pass 2 reads its load from)
+    rows_constant: dict[bool, np.ndarray]
+    lead_weights: np.ndarray  # rank weights of the expected maximum for the lead rows (ranked last)
+    weights: np.ndarray  # (K,) rank weights of the expected maximum of B draws
+    longest_context: float  # the largest context any sampled turn reaches
+    alive: np.ndarray  # (R,) expected trajectories still running in round k (of B, at least 1)
+    alive_fraction: np.ndarray  # (R+1,) share of trajectories not done before round k (1 at k=0)
+    stats: dict[str, np.ndarray]  # (R,) means over the trajectories alive in round k
+
+
+@functools.lru_cache(maxsize=16)
+def prepare(profile: Profile) -> Workbook:
+    """Round-indexed matrices of the profile's trajectory sample (cached per profile).
+
+    The expected maximum of B draws puts (1 - q)^B of its weight below the top share q of the
+    sample: pass 1 ranks configurations on the rows in the top LEAD_SHARE under any of three
+    reference per-token costs (decode alone, at B/8 and at B sequences), which carries all but
+    ~(1 - LEAD_SHARE)^B of the weight.
+    """
+    return _workbook(profile, profile.sample, batch=False)
+
+
+def predict_batch(profile: Profile, config: Config, batch: TrajectorySample) -> Prediction:
+    """The makespan of one known batch (its own slowest trajectory, no expectation over draws):
+    what the tracker compares a step's observed makespan with, free of the batch's sampling noise."""
+    wb = _workbook(profile, batch, batch=True)
+    if config.mode is Mode.COLOCATED:
+        ev = evaluate(wb, False, np.array([config.n_colocated]))
+    else:
+        ev = evaluate(wb, True, np.array([config.n_prefill]), np.array([config.n_decode]))
+    return ev.prediction(0, config)
+
+
+def _workbook(profile: Profile, s: TrajectorySample, batch: bool) -> Workbook:
+    """The matrices of a sample; `batch`: the sample is the step itself (weights on its maximum)."""
+    e = profile.engine
+    k_n = len(s.turns)
+    big_b = k_n if batch else profile.batch_size
+    turn = (s.gen > 0).astype(float)
+    new = np.hstack([s.prompt[:, None], s.obs[:, :-1]]) * turn
+    ctx_end = (np.cumsum(new, axis=1) + np.cumsum(s.gen, axis=1) - s.gen) * turn  # after turn k's prefill
+    ctx_before = ctx_end - new
+    new_split = (new + np.pad(s.gen[:, :-1], ((0, 0), (1, 0)))) * turn  # the prefill worker never saw them
+
+    def prefill(tokens: np.ndarray) -> np.ndarray:
+        return e.prefill_s_per_token * tokens + e.prefill_s_per_token_per_ctx * tokens * ctx_before
+
+    rows = _Rows(
+        gen=s.gen,
+        turn=turn,
+        env_turn=s.env,
+        pre_colocated=prefill(new),
+        pre_split=prefill(new_split),
+        miss_tokens=ctx_before,
+        miss_attention=ctx_before**2 / 2,
+        transfer=e.kv_transfer_s(ctx_end) * turn,
+    )
+    count = turn.sum(axis=0)
+
+    def mean(m: np.ndarray) -> np.ndarray:
+        return (m * turn).sum(axis=0) / np.maximum(count, 1)
+
+    ctx = float(mean(ctx_end + s.gen / 2).mean())
+    lead: set[int] = set(range(k_n)) if batch else set()
+    top = max(1, int(np.ceil(LEAD_SHARE * k_n)))
+    for seqs in () if batch else (1.0, big_b / 8, float(big_b)):
+        t = s.gen.sum(axis=1) * float(e.decode_iteration_s(max(seqs, 1.0), ctx)) + s.env.sum(axis=1)
+        lead.update(np.argpartition(t, k_n - top)[k_n - top :].tolist())
+    lead_idx = np.array(sorted(lead))
+    lr = rows.take(lead_idx)
+    matrix = np.hstack([rows.gen, rows.miss_tokens, rows.miss_attention, rows.turn])
+    env = rows.env_turn.sum(axis=1)  # T_over is in the per-turn `extra` cost
+    constant = {
+        False: rows.pre_colocated.sum(axis=1) + env,
+        True: rows.pre_split.sum(axis=1) + rows.transfer.sum(axis=1) + env,
+    }
+    i = np.arange(1, k_n + 1, dtype=float)
+    weights = np.eye(1, k_n, k_n - 1)[0] if batch else (i / k_n) ** big_b - ((i - 1) / k_n) ** big_b
+    return Workbook(
+        profile=profile,
+        rows=rows,
+        lead=lr,
+        lead_matrix=matrix[lead_idx],
+        lead_constant={split: c[lead_idx] for split, c in constant.items()},
+        rows_matrix=matrix,
+        rows_constant=constant,
+        lead_weights=weights[k_n - len(lead_idx) :],
+        weights=weights,
+        longest_context=float((ctx_end + s.gen).max()),
+        alive=np.maximum(big_b * count / k_n, 1.0),
+        alive_fraction=np.concatenate([[1.0], count[1:] / k_n, [0.0]]),
+        stats={
+            "gen": mean(s.gen),
+            "ctx_decode": mean(ctx_end + s.gen / 2),
+            "ctx_before": mean(ctx_before),
+            "ctx_end": mean(ctx_end),
+            "new_colocated": mean(new),
+            "new_split": mean(new_split),
+            "env": mean(s.env),
+            "transfer": mean(e.kv_transfer_s(ctx_end)),
+        },
+    )
+
+
+@dataclass(frozen=True, eq=False)
+class _Costs:
+    """Per-turn costs of one round under a load (arrays over rounds or trajectories x configurations)."""
+
+    per_token: np.ndarray  # seconds per generated token: the decode iteration, KV queueing included
+    miss: np.ndarray  # prefix-cache miss rate
+    extra: np.ndarray  # seconds per turn besides own decode, prefill and transfer (interference, waits)
+    f: np.ndarray  # share of a turn spent decoding under this load
+    diagnostics: dict[str, np.ndarray]
+
+
+def _round_costs(wb: Workbook, split: bool, st: dict, alive: Any, n1: Any, n2: Any, f: Any) -> _Costs:
+    """Costs of a turn when `alive` trajectories run; n1 = N (colocated) or N_P, n2 = N_D (split)."""
+    p, e = wb.profile, wb.profile.engine
+    cap = float(e.kv_capacity_tokens)
+    ctx = st["ctx_decode"]
+    tp = e.prefill_s_per_token_at(st["ctx_before"])
+    if not split:
+        m = 1 + (alive - 1) / n1  # trajectories on a worker (sticky routing, even spread)
+        miss = np.clip(1 - cap / (m * st["ctx_end"]), 0.0, 1.0)
+        pre = (st["new_colocated"] + miss * st["ctx_before"]) * tp
+        dec = 1 + f * (m - 1)
+        queue = np.maximum(1.0, dec * ctx / cap)  # KV admission: capacity/ctx sequences run at once
+        per_token = e.decode_iteration_s(dec / queue, ctx) * queue
+        interference = f * (m - 1) * pre  # others' prefills landing while this one decodes
+        decode = st["gen"] * per_token
+        f_new = decode / (decode + pre + interference + st["env"] + p.t_over_s)
+        return _Costs(per_token, miss, interference + p.t_over_s, f_new, {"kv_utilisation": dec * ctx / cap})
+    m_p = alive / n1  # trajectories per prefill worker (sticky: their prefixes live there)
+    miss = np.clip(1 - cap / (m_p * st["ctx_end"]), 0.0, 1.0)
+    pre = (st["new_split"] + miss * st["ctx_before"]) * tp
+    xfer = st["transfer"]
+    dec = np.maximum(1.0, 1 + (f * alive - 1) / n2)
+    queue = np.maximum(1.0, dec * ctx / cap)
+    per_token = e.decode_iteration_s(dec / queue, ctx) * queue
+    decode = st["gen"] * per_token
+    rnd = decode + pre + xfer + st["env"] + p.t_over_s  # a round of one trajectory, unloaded
+    # Each prefill worker's compute and NICs serve its m_p trajectories every round; the receiving
+    # side spreads over N_D workers' NICs: contention is on the busier side.
+    load_pre, load_nic = m_p * pre, np.maximum(m_p, alive / n2) * xfer
+    wait = _md1_wait(load_pre / rnd, pre) + _md1_wait(load_nic / rnd, xfer)
+    stall = np.maximum(0.0, np.maximum(load_pre, load_nic) - (rnd + wait))
+    f_new = decode / (rnd + wait + stall)
+    diagnostics = {
+        "kv_utilisation": dec * ctx / cap,
+        "nic_utilisation": load_nic / rnd,
+        "prefill_utilisation": load_pre / (rnd + wait),
+    }
+    return _Costs(per_token, miss, wait + stall + p.t_over_s, f_new, diagnostics)
+
+
+def _md1_wait(rho: np.ndarray, service: np.ndarray) -> np.ndarray:
+    """M/D/1 mean wait ρ s / (2(1-ρ)), ρ capped at MAX_UTILISATION (beyond it the round stalls)."""
+    r = np.minimum(rho, MAX_UTILISATION)
+    return r * service / (2 * (1 - r))
+
+
+@dataclass(frozen=True, eq=False)
+class Evaluation:
+    """Results over C configurations of one mode."""
+
+    makespan_s: np.ndarray  # (C,) expected (remaining) makespan
+    feasible: np.ndarray  # (C,) bool
+    reasons: list[str]  # "" when feasible
+    refined: np.ndarray  # (C,) bool: the time-aware tail pass was applied
+    components: dict[str, np.ndarray]  # name -> (C,) along the critical path (refined configs only)
+    diagnostics: dict[str, np.ndarray]  # name -> (C,)
+
+    def prediction(self, i: int, config: Config) -> Prediction:
+        """The i-th configuration's result as a Prediction."""
+        return Prediction(
+            config=config,
+            makespan_s=float(self.makespan_s[i]),
+            feasible=bool(self.feasible[i]),
+            reason=self.reasons[i],
+            components={name: float(v[i]) for name, v in self.components.items()},
+            diagnostics={name: float(v[i]) for name, v in self.diagnostics.items()},
+        )
+
+
+def evaluate(
+    wb: Workbook,
+    split: bool,
+    n1: np.ndarray,
+    n2: np.ndarray | None = None,
+    remaining_fraction: float = 1.0,
+    refine: int | None = None,
+    include: tuple[int, ...] = (),
+) -> Evaluation:
+    """Predict C configurations of one mode at once: N = n1 colocated, or N_P = n1, N_D = n2 split.
+
+    Pass 1 (all configurations): the round model, alive(k) from turn counts. Pass 2 (the `refine`
+    best of pass 1 and the indices in `include`; all when `refine` is None): the slowest
+    trajectories are re-timed turn by turn with the load at the time each turn actually runs,
+    alive(τ) = B * P(T > τ) from pass 1: the last trajectories run when most others are done, at
+    small batches.
+    """
+    n1 = np.asarray(n1, dtype=float)
+    n2 = np.zeros_like(n1) if n2 is None else np.asarray(n2, dtype=float)
+    p = wb.profile
+    st = {k: v[:, None] for k, v in wb.stats.items()}
+    f = np.full((len(wb.alive), len(n1)), p.decode_fraction)
+    for _ in range(FIXED_POINT_ITERATIONS):
+        costs = _round_costs(wb, split, st, wb.alive[:, None], n1[None, :], n2[None, :], f)
+        f = costs.f
+    e = p.engine
+    coefficients = np.vstack(
+        [costs.per_token, costs.miss * e.prefill_s_per_token, costs.miss * e.prefill_s_per_token_per_ctx, costs.extra]
+    )
+    lead_total = wb.lead_matrix @ coefficients + wb.lead_constant[split][:, None]
+    makespan = wb.lead_weights @ np.sort(lead_total, axis=0)
+    if refine is None:
+        chosen = np.arange(len(n1))
+    else:
+        chosen = np.union1d(np.argsort(makespan, kind="stable")[:refine], np.asarray(include, dtype=int))
+    components = {name: np.full(len(n1), np.nan) for name in PARTS}
+    tail = np.full(len(n1), np.nan)
+    if len(chosen):
+        pass1 = wb.rows_matrix @ coefficients[:, chosen] + wb.rows_constant[split][:, None]
+        now = _boundary(wb, remaining_fraction)
+        total, top, parts, at_top = _refine(wb, split, n1[chosen], n2[chosen], f[:, chosen], pass1, now)
+        order = np.argsort(total, axis=0, kind="stable")
+        makespan[chosen] = wb.weights @ np.take_along_axis(total, order, axis=0)
+        if remaining_fraction < 1:
+            # Remaining time from now, when R/B remain: each trajectory's own time left after the
+            # boundary `now` (the re-timed rows from pass 2; the others by the round model), then the
+            # expected maximum over what is left. Subtracting a round-model elapsed time from the
+            # pass-2 makespan would mix two models and rank budgets wrongly mid-step.
+            elapsed = _elapsed(wb, split, st, costs, remaining_fraction)[chosen]
+            at = np.minimum(np.broadcast_to(elapsed, total.shape), total)
+            np.put_along_axis(at, top, at_top, axis=0)
+            left = np.sort(np.maximum(total - at, 0.0), axis=0)
+            remaining_chosen = wb.weights @ left
+        # the critical path's components: the slowest rows carry all but ~(1 - LEAD_SHARE)^B of the weight
+        rank = np.empty_like(order)
+        np.put_along_axis(rank, order, np.arange(len(total))[:, None], axis=0)
+        w_top = wb.weights[np.take_along_axis(rank, top, axis=0)]
+        w_top = w_top / np.maximum(w_top.sum(axis=0), 1e-300)
+        for name, m in parts.items():
+            components[name][chosen] = (m * w_top).sum(axis=0)
+        tail[chosen] = makespan[chosen] - np.quantile(total, TAIL_QUANTILE, axis=0)
+    weight = wb.rows.turn.sum(axis=0) / wb.rows.turn.sum()
+    diagnostics = {
+        "tail_s": tail,
+        "prefix_miss_rate": weight @ costs.miss,
+        "decode_fraction": weight @ costs.f,
+        "kv_utilisation": np.max(costs.diagnostics["kv_utilisation"], axis=0),
+    }
+    reasons = _feasibility(wb, split, n1, n2, costs, makespan, diagnostics)
+    refined = np.zeros(len(n1), dtype=bool)
+    refined[chosen] = True
+    remaining = makespan - _elapsed(wb, split, st, costs, remaining_fraction)
+    if remaining_fraction < 1 and len(chosen):
+        remaining[chosen] = remaining_chosen
+    return Evaluation(
+        makespan_s=np.maximum(remaining, 0.0),
+        feasible=np.array([not r for r in reasons]),
+        reasons=reasons,
+        refined=refined,
+        components=components,
+        diagnostics=diagnostics,
+    )
+
+
+def _boundary(wb: Workbook, remaining_fraction: float) -> tuple[int, float]:
+    """The round boundary at which `remaining_fraction` of the trajectories are still alive, as
+    (k, w): w of the way from boundary k-1 to boundary k; (0, 0) at the start of a step."""
+    if not 0 < remaining_fraction <= 1:
+        raise BadInput(f"remaining_fraction: must be in (0, 1], got {remaining_fraction}")
+    if remaining_fraction >= 1:
+        return 0, 0.0
+    frac = wb.alive_fraction  # (R+1,), non-increasing from 1
+    k = int(np.argmax(frac <= remaining_fraction))  # first boundary at or below the remaining share
+    hi, lo = frac[k - 1], frac[k]
+    return k, ((hi - remaining_fraction) / (hi - lo) if hi > lo else 1.0)
+
+
+def _elapsed(wb: Workbook, split: bool, st: dict, costs: _Costs, remaining_fraction: float) -> np.ndarray:
+    """Time by which all but `remaining_fraction` of the trajectories are done: the rounds it takes
+    for the alive share to fall to it, at each round's mean duration (0 at the start)."""
+    k, w = _boundary(wb, remaining_fraction)
+    if k == 0:
+        return np.zeros(costs.per_token.shape[1])
+    pre = st["new_split" if split else "new_colocated"] + costs.miss * st["ctx_before"]
+    pre = pre * wb.profile.engine.prefill_s_per_token_at(st["ctx_before"])
+    rnd = st["gen"] * costs.per_token + pre + costs.extra + st["env"] + (st["transfer"] if split else 0.0)
+    times = np.vstack([np.zeros((1, rnd.shape[1])), np.cumsum(rnd, axis=0)])  # (R+1, C) at each round's end
+    return times[k - 1] + w * (times[min(k, len(times) - 1)] - times[k - 1])
+
+
+def _refine(
+    wb: Workbook,
+    split: bool,
+    n1: np.ndarray,
+    n2: np.ndarray,
+    f: np.ndarray,
+    pass1: np.ndarray,
+    now: tuple[int, float] = (0, 0.0),
+) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray], np.ndarray]:
+    """Pass 2 (see `evaluate`): re-time the slowest trajectories with the load at their own time.
+
+    Returns the completion times of all rows (K x C, the slowest re-timed), the indices of the
+    re-timed rows (top x C), their components (top x C each), and the time at which each re-timed
+    row reaches round boundary `now` = (k, w): w of the way from boundary k-1 to k (top x C)."""
+    p, e, w = wb.profile, wb.profile.engine, wb.rows
+    k_n, c_n = pass1.shape
+    top_n = min(k_n, max(1, int(np.ceil(LEAD_SHARE * k_n))))
+    top = np.argsort(pass1, axis=0, kind="stable")[k_n - top_n :]  # (top, C); ties: the later rows, as ranked below
+    # alive(τ) from pass 1's completion times, SURVIVAL_POINTS order statistics per configuration,
+    # all configurations searched in one call (offset so the columns sort one after another)
+    ordered = np.sort(pass1, axis=0)
+    grid = ordered[np.linspace(0, k_n - 1, SURVIVAL_POINTS).round().astype(int)]
+    offsets = np.arange(c_n) * (float(ordered[-1].max()) + 1.0)
+    flat = (grid + offsets[None, :]).T.ravel()
+    base = np.arange(c_n) * SURVIVAL_POINTS
+    pre = w.pre_split if split else w.pre_colocated
+    tau = np.zeros((top_n, c_n))
+    k_now, w_now = now
+    at = np.zeros((top_n, c_n))  # the time each re-timed row reaches boundary `now`
+    acc = {name: np.zeros((top_n, c_n)) for name in PARTS if name != "env_s"}
+    for k in range(w.gen.shape[1]):
+        if k == k_now - 1:
+            at = tau.copy()
+        live = w.turn[top, k]
+        if not live.any():
+            break
+        done = np.searchsorted(flat, (tau + offsets[None, :]).ravel(), side="right").reshape(top_n, c_n) - base
+        alive = np.maximum(p.batch_size * (1 - done / SURVIVAL_POINTS), 1.0)
+        st = {name: v[k] for name, v in wb.stats.items()}
+        c = _round_costs(wb, split, st, alive, n1[None, :], n2[None, :], f[k][None, :])
+        pieces = {
+            "decode_s": w.gen[top, k] * c.per_token,
+            "prefill_s": pre[top, k]
+            + c.miss
+            * (
+                w.miss_tokens[top, k] * e.prefill_s_per_token + w.miss_attention[top, k] * e.prefill_s_per_token_per_ctx
+            ),
+            "kv_transfer_s": w.transfer[top, k] if split else np.zeros_like(tau),
+            "queue_s": c.extra - p.t_over_s,
+            "overhead_s": np.full_like(tau, p.t_over_s),
+        }
+        for name, v in pieces.items():
+            acc[name] += v * live
+        before = tau.copy()
+        tau += sum(pieces.values()) * live + w.env_turn[top, k]
+        if k == k_now - 1:
+            at = before + w_now * (tau - before)
+    total = pass1.copy()
+    np.put_along_axis(total, top, tau, axis=0)
+    acc["env_s"] = w.env_turn.sum(axis=1)[top]
+    return total, top, acc, np.minimum(at, tau)
+
+
+def _feasibility(
+    wb: Workbook, split: bool, n1: np.ndarray, n2: np.ndarray, costs: _Costs, makespan: np.ndarray, diag: dict
+) -> list[str]:
+    """Why each configuration cannot run ("" when it can); fills diag with the utilisations it checks."""
+    p, e = wb.profile, wb.profile.engine
+    cap = float(e.kv_capacity_tokens)
+    common = ""
+    if cap <= 0:
+        common = "the weights leave no room for a KV cache on one worker"
+    elif wb.longest_context > cap:
+        common = f"a trajectory's context ({wb.longest_context:.0f} tokens) exceeds a worker's KV ({int(cap)})"
+    if not split:
+        return [common] * len(n1)
+    # docs/method.md: the decode KV must hold the expected concurrent footprint, and prefill must keep up
+    footprint = np.max(p.decode_fraction * wb.alive * wb.stats["ctx_decode"])
+    turns = wb.rows.turn.sum(axis=0)
+    # a prefill worker's work per round over the round's unstalled length, averaged over the turns
+    busy = turns @ costs.diagnostics["prefill_utilisation"] / turns.sum()
+    diag["prefill_utilisation"] = busy
+    diag["nic_utilisation"] = turns @ costs.diagnostics["nic_utilisation"] / turns.sum()
+    reasons = []
+    for i in range(len(n1)):
+        if common:
+            reasons.append(common)
+        elif footprint > n2[i] * cap:
+            reasons.append(f"decode KV too small: {footprint:.0f} tokens decoding at once > {int(n2[i])} x {int(cap)}")
+        elif busy[i] > 1:
+            reasons.append(f"prefill cannot keep up: {int(n1[i])} prefill workers {busy[i]:.0%} busy")
+        else:
+            reasons.append("")
+    return reasons
+
+
+def predict(
+    profile: Profile, config: Config, remaining_fraction: float = 1.0, wb: Workbook | None = None
+) -> Prediction:
+    """pearl's prediction for one configuration, with the critical path's components."""
+    wb = wb or prepare(profile)
+    if config.mode is Mode.COLOCATED:
+        ev = evaluate(wb, False, np.array([config.n_colocated]), None, remaining_fraction)
+    else:
+        ev = evaluate(wb, True, np.array([config.n_prefill]), np.array([config.n_decode]), remaining_fraction)
+    return ev.prediction(0, config)
+
+
+def describe(prediction: Prediction) -> dict[str, Any]:
+    """A JSON-able summary (decisions table, `plan --explain --json`)."""
+    return {
+        "config": prediction.config.label,
+        "workers": prediction.config.workers,
+        "predicted_s": round(prediction.makespan_s, 3),
+        "feasible": prediction.feasible,
+        "reason": prediction.reason,
+        "components": {k: round(v, 3) for k, v in prediction.components.items()},
+        "diagnostics": {k: round(v, 4) for k, v in prediction.diagnostics.items()},
+    }

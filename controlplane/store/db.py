@@ -1,0 +1,165 @@
+"""The one way to reach the database: engine, transactions, schema upgrades, and the mapping of
+database errors to pearl's errors (by SQLSTATE and constraint name, once, here).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import pearl.migrations
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from pearl.controlplane.errors import DatabaseUnavailable, IllegalTransition, PearlError
+from pearl.controlplane.services.embedded import database_url
+from pearl.controlplane.services.settings import redact_url
+from sqlalchemy import Engine, create_engine, text
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.orm import Session, sessionmaker
+
+MIGRATIONS_DIR = Path(pearl.migrations.__file__).resolve().parent
+# SQLSTATEs raised by the triggers of migration 0001 (class PX: pearl)
+ILLEGAL_TRANSITION = "PX001"
+INVARIANT_VIOLATION = "PX002"
+APPEND_ONLY = "PX003"
+_CONNECT_TIMEOUT_S = 5
+# The CHECK constraints that spell the state machine out: violating one is an illegal transition.
+# Any other CHECK (a count, an index, a distance) is plain invalid data.
+STATE_CONSTRAINTS = frozenset({
+    "ck_gpus_held_iff_in_use",
+    "ck_gpus_held_by_its_slot",
+    "ck_gpus_state_fits_zone",
+    "ck_workers_training_role_is_inactive",
+    "ck_workers_training_role_is_overlap",
+    "ck_plan_steps_running_is_claimed",
+})
+
+
+class SchemaMissing(PearlError):
+    """The database has no pearl schema: run `pearlctl init`."""
+
+
+def make_engine(url: str | None = None, **kwargs) -> Engine:
+    """An engine on `url` (default: the configured or embedded database), psycopg 3 driver."""
+    url = url or database_url()
+    connect_args = {"connect_timeout": _CONNECT_TIMEOUT_S, **kwargs.pop("connect_args", {})}
+    return create_engine(url, pool_pre_ping=True, connect_args=connect_args, **kwargs)
+
+
+def _unavailable(engine_or_url: Engine | str, exc: BaseException) -> DatabaseUnavailable:
+    url = engine_or_url.url if isinstance(engine_or_url, Engine) else make_url(engine_or_url)
+    orig = getattr(exc, "orig", exc)
+    reason = (str(orig).strip().splitlines() or [type(orig).__name__])[0]
+    return DatabaseUnavailable(f"cannot connect to {redact_url(url)}: {reason}")
+
+
+def _is_connection_failure(exc: DBAPIError) -> bool:
+    state = getattr(exc.orig, "sqlstate", None)
+    return isinstance(exc, OperationalError) and (state is None or state.startswith(("08", "57P", "53")))
+
+
+def translate(exc: DBAPIError, engine: Engine | None = None) -> PearlError | None:
+    """The pearl error a database error means, or None when it is not one of ours."""
+    orig = exc.orig
+    state = getattr(orig, "sqlstate", None)
+    diag = getattr(orig, "diag", None)
+    if state in (ILLEGAL_TRANSITION, INVARIANT_VIOLATION):
+        return IllegalTransition(diag.message_primary if diag else str(orig))
+    if state == "23514":  # check_violation
+        name = diag.constraint_name if diag else None
+        message = f"refused by constraint {name}: {diag.message_primary if diag else orig}"
+        return IllegalTransition(message) if name in STATE_CONSTRAINTS else PearlError(message)
+    if engine is not None and _is_connection_failure(exc):
+        return _unavailable(engine, exc)
+    return None
+
+
+def check_connection(engine: Engine) -> None:
+    """Raise DatabaseUnavailable (URL without password, and why) unless the database answers."""
+    try:
+        with engine.connect() as conn:
+            conn.execute(text("SELECT 1"))
+    except DBAPIError as exc:
+        raise _unavailable(engine, exc) from None
+
+
+@contextlib.contextmanager
+def transaction(
+    engine: Engine, actor: str | None = None, reason: str | None = None, *, isolation_level: str | None = None
+) -> Iterator[Session]:
+    """A session in one transaction: committed on success, rolled back on error, errors translated.
+
+    `actor` and `reason` go to every event the transaction writes (`SET LOCAL pearl.actor`);
+    `isolation_level="REPEATABLE READ"` gives reads one consistent snapshot.
+    """
+    bind = engine.execution_options(isolation_level=isolation_level) if isolation_level else engine
+    session = Session(bind, expire_on_commit=False)
+    try:
+        with session.begin():
+            set_actor(session, actor, reason)
+            yield session
+    except DBAPIError as exc:
+        mapped = translate(exc, engine)
+        if mapped is None:
+            raise
+        raise mapped from exc
+    finally:
+        session.close()
+
+
+def set_actor(session: Session, actor: str | None, reason: str | None = None) -> None:
+    """Name who changes the state, and why, for the rest of this transaction's events."""
+    if actor is None and reason is None:
+        return
+    session.execute(
+        text("SELECT set_config('pearl.actor', :a, true), set_config('pearl.reason', :r, true)"),
+        {"a": actor or "", "r": reason or ""},
+    )
+
+
+def session_factory(engine: Engine) -> sessionmaker[Session]:
+    return sessionmaker(engine, expire_on_commit=False)
+
+
+# --- schema (Alembic) ---------------------------------------------------------------------------
+
+
+def alembic_config(url: str) -> Config:
+    """Alembic's configuration for `url`, independent of the working directory."""
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
+    cfg.attributes["database_url"] = url
+    return cfg
+
+
+def head_revision() -> str:
+    return ScriptDirectory.from_config(alembic_config("postgresql+psycopg://")).get_current_head() or ""
+
+
+def current_revision(engine: Engine) -> str | None:
+    try:
+        with engine.connect() as conn:
+            return MigrationContext.configure(conn).get_current_revision()
+    except DBAPIError as exc:
+        raise _unavailable(engine, exc) from None
+
+
+def upgrade(engine: Engine, revision: str = "head") -> str | None:
+    """Create or upgrade the schema (concurrent callers serialise on env.py's advisory lock)."""
+    check_connection(engine)
+    command.upgrade(alembic_config(engine.url.render_as_string(hide_password=False)), revision)
+    return current_revision(engine)
+
+
+def require_schema(engine: Engine) -> None:
+    """Refuse to work on a database that `pearlctl init` has not brought to the head revision."""
+    current = current_revision(engine)
+    if current is None:
+        raise SchemaMissing(f"{redact_url(engine.url)} has no pearl schema: run `pearlctl init`")
+    head = head_revision()
+    if current != head:
+        raise SchemaMissing(f"{redact_url(engine.url)} is at schema {current}, not {head}: run `pearlctl init`")
