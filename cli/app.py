@@ -24,12 +24,13 @@ def _register() -> None:
     init.register(app)
     cluster.register(app)
     status.register(app)
-    from pearl.cli import apply, event, plan, profile
+    from pearl.cli import apply, event, plan, profile, reap
 
     plan.register(app)
     apply.register(app)
     event.register(app)
     profile.register(app)
+    reap.register(app)
 
 
 _register()

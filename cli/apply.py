@@ -31,7 +31,8 @@ def apply_command(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
     abort_id: Annotated[int | None, typer.Option(
         "--abort", metavar="PLAN_ID", min=1,
-        help="Give up an applying plan that cannot finish: mark it failed and cancel its steps not yet run.")]
+        help="Give up an applying plan that cannot finish: mark it failed, cancel its steps not yet run, and "
+             "apply a cleanup plan that releases the workers it left between states.")]
     = None,
 ) -> None:
     """Apply a proposed plan if the fleet is still at the state it was computed against."""
@@ -84,8 +85,10 @@ def _abort(plan_id: int, as_json: bool) -> None:
     finally:
         engine.dispose()
     if as_json:
-        emit_json({"plan": summary, "cancelled": list(progress.cancelled), "release": list(progress.release)})
+        emit_json({"plan": summary, "cancelled": list(progress.cancelled), "release": list(progress.release),
+                   "cleanup": progress.cleanup})
         return
-    release = ", ".join(map(str, progress.release)) or "none"
+    cleanup = (f"cleanup plan {progress.cleanup} releases workers {', '.join(map(str, progress.release))}"
+               if progress.cleanup else "no worker to release")
     out.print(f"plan {plan_id} aborted ({_step_counts(summary)}); cancelled {len(progress.cancelled)} step(s); "
-              f"workers to release: {release}", highlight=False)
+              f"{cleanup}", highlight=False)

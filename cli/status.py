@@ -46,6 +46,21 @@ def render(s: dict[str, Any]) -> Group:
     parts.append(Text(f"latest plan: #{p['id']} {p['status']} (base_version {p['base_version']}, "
                       f"D_worker {p['d_worker']}, D_role {p['d_role']}, steps {p['steps']})") if p
                  else Text("latest plan: none"))
+    if p and p.get("running"):
+        running = Table("step", "worker", "node", "agent", "attempt", "lease until",
+                        title=f"Plan #{p['id']} in progress")
+        for r in p["running"]:
+            running.add_row(r["key"], str(r["worker"]), r["node"], str(r["agent"] or "-"), str(r["attempts"]),
+                            r["lease_until"] or "")
+        parts.append(running)
+    if s.get("agents"):
+        agents = Table("agent", "node", "host", "pid", "driver", "heartbeat", "stopped", title="Agents")
+        for a in s["agents"]:
+            agents.add_row(str(a["id"]), a["node"], a["host"], str(a["pid"]), a["driver"],
+                           f"{a['heartbeat_age_s']:.1f} s ago", a["stopped_at"] or "")
+        parts.append(agents)
+    if s.get("router"):
+        parts.append(Text(f"front door: {s['router']['url']} (mode {s['router']['mode'] or '-'})"))
     if s["leases"]:
         leases = Table("id", "kind", "node", "device", "granted", "deadline", title="Open leases")
         for lease in s["leases"]:

@@ -32,3 +32,7 @@ class IllegalTransition(PearlError):
 
 class StepFailed(PearlError):
     """A plan step failed."""
+
+
+class ClaimLost(PearlError):
+    """The step is no longer running under that fence: the claim expired or another agent took it."""

@@ -13,16 +13,18 @@ from typing import Any
 
 import numpy as np
 import yaml
-from pearl.controlplane.core.domain import Role, StepStatus
+from pearl.controlplane.core.domain import Role, StepAction, StepStatus
 from pearl.controlplane.core.fleet import Target
 from pearl.controlplane.core.inventory import parse_inventory
 from pearl.controlplane.core.orchestrator import orchestrate
 from pearl.controlplane.core.workload import Workload
+from pearl.controlplane.store import step_effects
 from pearl.controlplane.store.db import transaction
 from pearl.controlplane.store.inventory_import import import_inventory
 from pearl.controlplane.store.plan_store import (
     DecisionRecord,
     PlanProgress,
+    complete_step,
     finish_step,
     target_to_dict,
     write_decision,
@@ -31,6 +33,7 @@ from pearl.controlplane.store.plan_store import (
 from pearl.controlplane.store.queries import query
 from pearl.controlplane.store.snapshot import load_snapshot
 from sqlalchemy import Engine, text
+from sqlalchemy.orm import Session
 
 REPO = Path(__file__).resolve().parent.parent
 PEARLCTL = Path(sys.executable).with_name("pearlctl")
@@ -107,26 +110,59 @@ def node_id(engine: Engine, name: str) -> int:
         return conn.execute(text("SELECT id FROM nodes WHERE name = :n"), {"n": name}).scalar_one()
 
 
+def pin_clock(session: Session, now: datetime) -> None:
+    """The database's clock (`pearl_now()`) reads `now` for the rest of this transaction."""
+    session.execute(text("SELECT set_config('pearl.now', :t, true)"), {"t": now.isoformat()})
+
+
 def claim_ready(engine: Engine, now: datetime, agent: int | None = None) -> list[dict[str, Any]]:
     """Claim every ready step of every node, as the nodes' agents would (one per worker at a time)."""
     claimed: list[dict[str, Any]] = []
     with transaction(engine) as session:
+        pin_clock(session, now)
         nodes = session.execute(text("SELECT id FROM nodes ORDER BY id")).scalars().all()
         for n in nodes:
-            rows = session.execute(query("claim_steps"), {"node_id": n, "agent_id": agent, "now": now,
-                                                          "lease_s": 30, "limit": 100}).mappings().all()
+            rows = session.execute(query("claim_steps"), {"node_id": n, "agent_id": agent, "lease_s": 30,
+                                                          "limit": 100}).mappings().all()
             claimed.extend(dict(r) for r in rows)
     return claimed
 
 
+def enact(session: Session, step: dict[str, Any]) -> PlanProgress:
+    """What an agent with no servers does for a claimed step: write its effect, then report it
+    succeeded, in the session's transaction (a start's endpoint is made up; a load reaches the
+    trainer's version)."""
+    claimed = step_effects.claimed_step(session, step["id"], step["fence"])
+    step_effects.begin(session, claimed)
+    effect: dict[str, Any] = {}
+    if claimed.action is StepAction.START:
+        effect["endpoint"] = f"http://127.0.0.1:1/w{claimed.worker_id}"
+    elif claimed.action is StepAction.LOAD_WEIGHTS:
+        effect["weights_version"] = step_effects.trainer_version(session)
+    return complete_step(session, step["id"], step["fence"], **effect)
+
+
 def report(engine: Engine, step: dict[str, Any], status: StepStatus, now: datetime,
-           error: str | None = None) -> PlanProgress:
-    with transaction(engine, actor="test agent") as session:
-        return finish_step(session, step["id"], step["fence"], status, error=error, now=now)
+           error: str | None = None, stop_when_plan_stops: bool = False) -> PlanProgress:
+    """The agent's report of a claimed step: a success with its effect (`enact`), or a failure. With
+    `stop_when_plan_stops`, a success refused because the plan stopped is reported cancelled, as an
+    agent does."""
+    try:
+        with transaction(engine, actor="test agent") as session:
+            pin_clock(session, now)
+            if status is StepStatus.SUCCEEDED:
+                return enact(session, step)
+            return finish_step(session, step["id"], step["fence"], status, error=error)
+    except step_effects.PlanStopped:
+        if not stop_when_plan_stops:
+            raise
+    with transaction(engine, actor="test agent") as session:  # the plan failed meanwhile: stop the step
+        pin_clock(session, now)
+        return finish_step(session, step["id"], step["fence"], StepStatus.CANCELLED, error="its plan stopped")
 
 
 def run_plan(engine: Engine, now: datetime, fail: str | None = None, limit: int = 100) -> list[PlanProgress]:
-    """Claim and report every step until nothing is ready; the step keyed `fail` fails."""
+    """Claim and enact every step until nothing is ready; the step keyed `fail` fails."""
     progress: list[PlanProgress] = []
     for _ in range(limit):
         claimed = claim_ready(engine, now)
@@ -135,7 +171,7 @@ def run_plan(engine: Engine, now: datetime, fail: str | None = None, limit: int 
         for step in claimed:
             failed = step["key"] == fail
             progress.append(report(engine, step, StepStatus.FAILED if failed else StepStatus.SUCCEEDED, now,
-                                   "boom" if failed else None))
+                                   "boom" if failed else None, stop_when_plan_stops=True))
     raise AssertionError("the plan never settled")
 
 

@@ -108,6 +108,10 @@ class Driver(Protocol):
         """SIGTERM, then SIGKILL after `grace_s`, by PID (never by name); idempotent. True if one ran."""
         ...
 
+    def record_role(self, worker_id: int, role: Role) -> None:
+        """The server now serves in `role` (it flipped in place); its record says so."""
+        ...
+
     def log_tail(self, worker_id: int, lines: int = 20) -> str:
         """The last lines of the worker's server log ('' if none)."""
         ...

@@ -85,6 +85,7 @@ class StepAction(StrEnum):
     ADMIT = "admit"  # make a ready group visible to the router, all at once
     FLIP_ROLE = "flip_role"  # prefill <-> decode in place on an idle server
     ROUTER_SYNC = "router_sync"  # reconcile the router's worker list with the active workers
+    BARRIER = "barrier"  # an expansion group's meeting point: done when every member is ready (no agent runs it)
 
 
 class Mode(StrEnum):

@@ -20,8 +20,9 @@ Step chains, one per changed worker (keys `w<id>.<action>`):
 - added: start{role, zone} -> load_weights -> admit;
 - survivor prefill <-> decode: drain -> flip_role{role} -> admit (in place, on an idle server);
 - survivor colocated <-> split: a restart, drain -> interrupt -> release -> start -> load_weights -> admit.
-The admits of added and restarted workers form one expansion group: each waits for every member's
-load_weights, so the group is admitted all-or-nothing (docs/state-machine.md, invariant 6). When the mode
+The admits of added and restarted workers form one expansion group: they wait for one barrier step
+(`expand.barrier`, no action of its own) that waits for every member's load_weights, so the group is
+admitted all-or-nothing (docs/state-machine.md, invariant 6) with O(members) dependencies. When the mode
 changes, a final `router_sync` waits for every admit (the router's front door changes). Removals
 never wait for anything else: shrinking is urgent.
 """
@@ -35,6 +36,7 @@ from pearl.controlplane.core.fleet import FleetSnapshot, Plan, PlanStep, Target,
 from pearl.controlplane.errors import BadInput
 
 EXPANSION_GROUP = "expand"  # the one expansion group of a plan; the store qualifies it with the plan id
+_SHARED_KEYS = {StepAction.ROUTER_SYNC: "router_sync", StepAction.BARRIER: "expand.barrier"}  # one per plan
 
 # Order in which places are filled: deterministic, and survivors before added workers (see _resolve).
 _ROLE_ORDER = (Role.COLOCATED, Role.PREFILL, Role.DECODE)
@@ -173,7 +175,7 @@ def _expand(
     def step(
         wid: int, action: StepAction, after: tuple[str, ...] = (), group: str | None = None, **args: object
     ) -> str:
-        key = "router_sync" if action is StepAction.ROUTER_SYNC else f"w{wid}.{action}"
+        key = _SHARED_KEYS.get(action, f"w{wid}.{action}")
         steps.append(PlanStep(key, action, wid, slots[wid].node, args, after, group))
         return key
 
@@ -200,11 +202,15 @@ def _expand(
     for wid in sorted(add):
         loaded[wid] = start(wid, ())
 
-    group_after = tuple(loaded[i] for i in sorted(loaded))
+    # The expansion group meets at one barrier (O(members) dependencies, not members squared).
+    barrier = (
+        step(min(loaded), StepAction.BARRIER, tuple(loaded[i] for i in sorted(loaded)), EXPANSION_GROUP)
+        if loaded else None
+    )
     admits = [
         step(wid, StepAction.ADMIT, (flipped[wid],), role=str(roles[wid]))
         if wid in flipped
-        else step(wid, StepAction.ADMIT, group_after, EXPANSION_GROUP, role=str(roles[wid]))
+        else step(wid, StepAction.ADMIT, (barrier,), EXPANSION_GROUP, role=str(roles[wid]))
         for wid in sorted(flipped.keys() | loaded.keys())
     ]
 

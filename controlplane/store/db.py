@@ -13,7 +13,7 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from pearl.controlplane.errors import DatabaseUnavailable, IllegalTransition, PearlError
+from pearl.controlplane.errors import ClaimLost, DatabaseUnavailable, IllegalTransition, PearlError
 from pearl.controlplane.services.embedded import database_url
 from pearl.controlplane.services.settings import redact_url
 from sqlalchemy import Engine, create_engine, text
@@ -26,6 +26,7 @@ MIGRATIONS_DIR = Path(pearl.migrations.__file__).resolve().parent
 ILLEGAL_TRANSITION = "PX001"
 INVARIANT_VIOLATION = "PX002"
 APPEND_ONLY = "PX003"
+STALE_FENCE = "PX004"  # 0004: an effect under an older claim's fence than the worker's last
 _CONNECT_TIMEOUT_S = 5
 # The CHECK constraints that spell the state machine out: violating one is an illegal transition.
 # Any other CHECK (a count, an index, a distance) is plain invalid data.
@@ -36,6 +37,7 @@ STATE_CONSTRAINTS = frozenset({
     "ck_workers_training_role_is_inactive",
     "ck_workers_training_role_is_overlap",
     "ck_plan_steps_running_is_claimed",
+    "ck_plan_steps_pending_non_negative",
 })
 
 
@@ -69,6 +71,8 @@ def translate(exc: DBAPIError, engine: Engine | None = None) -> PearlError | Non
     diag = getattr(orig, "diag", None)
     if state in (ILLEGAL_TRANSITION, INVARIANT_VIOLATION):
         return IllegalTransition(diag.message_primary if diag else str(orig))
+    if state == STALE_FENCE:
+        return ClaimLost(diag.message_primary if diag else str(orig))
     if state == "23514":  # check_violation
         name = diag.constraint_name if diag else None
         message = f"refused by constraint {name}: {diag.message_primary if diag else orig}"

@@ -2,7 +2,9 @@
 
 Keys (docs/formats.md): `state_version`, `gpus` {`total`, `by_zone`, `by_state`}, `workers` [ {`id`, `node`,
 `gpus`, `role`, `activity`, `zone`, `weights_version`} ], `plan` (latest or null), `leases` [].
-Also `cluster` (model, gpu, tp, imported_at) and `gpus.by_zone_state` (zone -> state -> count).
+Also `cluster` (model, gpu, tp, imported_at), `gpus.by_zone_state` (zone -> state -> count), the
+plan's steps in progress with the agent holding each claim (`plan.running`), the node agents with
+the age of their heartbeat (`agents`), and the front door (`router`: url, mode; null without one).
 """
 
 from __future__ import annotations
@@ -10,9 +12,10 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from typing import Any
 
+from pearl.controlplane.core.domain import StepStatus
 from pearl.controlplane.store.db import transaction
-from pearl.controlplane.store.schema import GPU, Fleet, Lease, Node, Plan, PlanStep, Worker
-from sqlalchemy import Engine, func, select
+from pearl.controlplane.store.schema import GPU, Agent, Fleet, Lease, Node, Plan, PlanStep, Router, Worker
+from sqlalchemy import Engine, func, or_, select
 from sqlalchemy.orm import Session
 
 
@@ -41,7 +44,34 @@ def _latest_plan(session: Session) -> dict[str, Any] | None:
         "finished_at": _iso(plan.finished_at),
         "steps": {status.value: n for status, n in sorted(steps.items())},
         "error": plan.error,
+        "cleans_up": plan.cleans_up,
+        "running": [
+            {"key": r.key, "action": r.action.value, "worker": r.worker_id, "node": r.node, "agent": r.claimed_by,
+             "attempts": r.attempts, "fence": r.fence, "lease_until": _iso(r.lease_until)}
+            for r in session.execute(
+                select(PlanStep.key, PlanStep.action, PlanStep.worker_id, Node.name.label("node"), PlanStep.claimed_by,
+                       PlanStep.attempts, PlanStep.fence, PlanStep.lease_until)
+                .join(Node, Node.id == PlanStep.node_id)
+                .where(PlanStep.plan_id == plan.id, PlanStep.status == StepStatus.RUNNING).order_by(PlanStep.id))
+        ],
     }
+
+
+def _agents(session: Session, nodes: dict[int, Node]) -> list[dict[str, Any]]:
+    """Agents not stopped, and the latest of each node (stopped or not), with the age of their heartbeat."""
+    now = session.scalar(select(func.pearl_now()))
+    latest = select(func.max(Agent.id)).group_by(Agent.node_id)
+    rows = session.scalars(select(Agent).where(or_(Agent.stopped_at.is_(None), Agent.id.in_(latest)))
+                           .order_by(Agent.node_id, Agent.id)).all()
+    return [{"id": a.id, "node": nodes[a.node_id].name, "host": a.host, "pid": a.pid, "driver": a.driver,
+             "started_at": _iso(a.started_at), "heartbeat_age_s": round((now - a.heartbeat_at).total_seconds(), 3),
+             "stopped_at": _iso(a.stopped_at)} for a in rows]
+
+
+def _router(session: Session) -> dict[str, Any] | None:
+    r = session.scalars(select(Router).where(Router.stopped_at.is_(None)).order_by(Router.name).limit(1)).first()
+    return {"name": r.name, "url": r.url, "admin_url": r.admin_url, "mode": r.mode, "pid": r.pid,
+            "host": r.host} if r else None
 
 
 def fleet_status(session: Session) -> dict[str, Any]:
@@ -108,6 +138,8 @@ def fleet_status(session: Session) -> dict[str, Any]:
         "workers": workers,
         "plan": _latest_plan(session),
         "leases": leases,
+        "agents": _agents(session, nodes),
+        "router": _router(session),
     }
 
 

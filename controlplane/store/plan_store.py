@@ -1,28 +1,32 @@
 """The plan store: decisions, plans and their steps as rows; applying a plan; the steps' progression.
 
-Lifecycle of a plan (`PlanStatus`):
+Lifecycle of a plan (`PlanStatus`; the allowed edges are the rows of `plan_transitions`, a trigger
+refuses any other):
   proposed  --apply, fleet still at base_version-->  applying  --every step succeeded-->  succeeded
   proposed  --apply, fleet moved on-->  stale          applying  --a step failed, or abort-->  failed
   proposed  --a newer plan is written-->  superseded
 A plan is refused when written if it could never finish: a step waiting for a key the plan does not
 have (or, through a cycle, for itself), or a step addressed to a node its worker does not live on.
-Steps (`StepStatus`): written `blocked`; on apply the steps with no dependency become `ready` (the
-NOTIFY trigger wakes their node's agent: channel `pearl_steps`, payload the node id); an agent
-claims one (`claim_steps`, only steps of the applying plan), runs it and reports through the fenced
-`finish_step`; `finish_step` here then unblocks the steps whose dependencies all succeeded, finishes
-the plan when every step succeeded, and fails it when a step failed, cancelling every step not yet
-run (a running step whose claim later expires is cancelled by `rescue_expired_steps`, never run
-again). The admits of an expansion group wait for every member's load_weights, so a member failing
-means no admit of the group runs (invariant 6: all-or-nothing); releasing the GPUs the members of a
-group not fully admitted already took is the agents' job (`PlanProgress.release` lists those
-workers; a group whose admits all succeeded serves and is kept).
 
-Concurrency. `apply` takes the fleet row first (`transitions.lock_fleet`), then the plan row: two
-applies of one plan are serialised and the second finds it applying; a plan whose base_version is
-not the fleet's state_version is marked stale and refused (invariant 3), nothing else changes.
-`finish_step` and `abort` take the same two locks in the same order, so two agents finishing the
-last two dependencies of a step cannot both miss the other's success, and no apply deadlocks with them.
-Every change of plans and plan_steps is written to `events` by triggers (invariant 5).
+Steps (`StepStatus`; edges in `step_transitions`): written `blocked` with `pending` = how many steps
+they wait for (one `plan_step_deps` row each); on apply those with none become `ready` (the NOTIFY
+trigger wakes their node's agent: channel `pearl_steps`, payload the node id); an agent claims one
+(`claim_steps`, only steps of the applying plan), enacts it, and reports through `finish_step` in the
+same transaction as the end of its effect (`step_effects`): a step succeeds exactly when its effect
+is in the rows, under the claim's fence. A success decrements the pending count of its dependents
+only (`release_dependents`): those at zero become ready, a `barrier` succeeds at once (it is how an
+expansion group meets: invariant 6), and the plan succeeds when no step is left unfinished. A
+failure fails the plan: its steps not yet run are cancelled (a running one stops when its agent
+renews its lease and sees the plan is no longer applying, or is cancelled by the rescuer when its
+claim expires), and a cleanup plan, applied in the same transaction, drains and releases every
+worker the failed plan left between states (a member of an expansion group not fully admitted gives
+its GPUs back, even if already admitted). A cleanup plan that fails writes no further cleanup.
+
+Concurrency. Every writer takes the fleet row first (`transitions.lock_fleet`), then the plan row,
+then steps: reports, applies, aborts and the reaper are serialised and cannot deadlock. Claims take
+no fleet lock; they skip rows that are locked (`SKIP LOCKED`), the plan row included, so a claim
+never waits and never takes a step of a plan being failed. Every change of plans and plan_steps is
+written to `events` by triggers (invariant 5).
 """
 
 from __future__ import annotations
@@ -34,23 +38,24 @@ import time
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from datetime import datetime
 from graphlib import CycleError, TopologicalSorter
 from typing import Any
 
 from pearl.controlplane.core import fleet
-from pearl.controlplane.core.domain import PlanStatus, StepAction, StepStatus
+from pearl.controlplane.core.domain import Activity, PlanStatus, StepAction, StepStatus
 from pearl.controlplane.errors import BadInput, PearlError, StalePlan
+from pearl.controlplane.store import step_effects
 from pearl.controlplane.store.db import transaction
 from pearl.controlplane.store.queries import query
-from pearl.controlplane.store.schema import Decision, Node, Worker
+from pearl.controlplane.store.schema import Decision, Node, PlanStepDep, Worker
 from pearl.controlplane.store.schema import Plan as PlanRow
 from pearl.controlplane.store.schema import PlanStep as StepRow
-from pearl.controlplane.store.transitions import StateConflict, lock_fleet
-from sqlalchemy import Engine, func, select, text, update
+from pearl.controlplane.store.transitions import lock_fleet
+from sqlalchemy import Engine, func, insert, select, update
 from sqlalchemy.orm import Session
 
-UNFINISHED = (StepStatus.BLOCKED, StepStatus.READY)  # cancelled when the plan fails (running ones report later)
+UNFINISHED = (StepStatus.BLOCKED, StepStatus.READY)  # cancelled when the plan fails (running ones stop)
+NOT_DONE = (StepStatus.BLOCKED, StepStatus.READY, StepStatus.RUNNING, StepStatus.FAILED, StepStatus.CANCELLED)
 
 
 class NoPlan(BadInput):
@@ -63,10 +68,6 @@ class NothingToApply(PearlError):
 
 class PlanNotApplicable(PearlError):
     """The plan cannot be applied in its status."""
-
-
-class ClaimLost(StateConflict):
-    """The step is no longer running under that fence: the claim expired or another agent took it."""
 
 
 class PlanTimeout(PearlError):
@@ -101,9 +102,10 @@ class PlanProgress:
 
     plan_id: int
     status: PlanStatus
-    readied: tuple[str, ...] = ()  # steps made ready by this call
+    readied: tuple[str, ...] = ()  # steps made ready by this call (barriers that succeeded included)
     cancelled: tuple[str, ...] = ()  # steps cancelled by this call
-    release: tuple[int, ...] = ()  # workers of a cancelled expansion group that already took GPUs
+    release: tuple[int, ...] = ()  # workers the cleanup plan drains and releases
+    cleanup: int | None = None  # the cleanup plan written when this call failed the plan
 
 
 def json_safe(value: Any) -> Any:
@@ -159,36 +161,47 @@ def write_plan(session: Session, plan: fleet.Plan, decision_id: int | None) -> i
     proposed plans become `superseded`. Returns the plan id, or None for an empty plan."""
     if plan.empty:
         return None
-    nodes = {name: node_id for name, node_id in session.execute(select(Node.name, Node.id))}
-    missing = sorted({s.node for s in plan.steps} - nodes.keys())
-    if missing:
-        raise BadInput(f"plan.steps.node: unknown node(s) {missing}")
-    _check_steps(plan.steps, {w: n for w, n in session.execute(select(Worker.id, Worker.node_id))}, nodes)
     row = PlanRow(decision_id=decision_id, base_version=plan.base_version, d_worker=plan.d_worker, d_role=plan.d_role)
-    session.add(row)
-    session.flush()
+    _insert(session, row, plan.steps)
     session.execute(
         update(PlanRow)
         .where(PlanRow.status == PlanStatus.PROPOSED, PlanRow.id != row.id)
         .values(status=PlanStatus.SUPERSEDED, finished_at=func.now(), error=f"superseded by plan {row.id}")
         .execution_options(synchronize_session=False)
     )
-    session.add_all(
-        StepRow(
-            plan_id=row.id,
-            key=s.key,
-            worker_id=s.worker_id,
-            node_id=nodes[s.node],
-            action=s.action,
-            args=json.loads(json.dumps(json_safe(dict(s.args)))),
-            expansion_group=f"plan{row.id}.{s.group}" if s.group else None,
-            depends_on=list(s.after),
-            status=StepStatus.BLOCKED,
-        )
-        for s in plan.steps
-    )
-    session.flush()
     return row.id
+
+
+def _insert(session: Session, row: PlanRow, steps: tuple[fleet.PlanStep, ...]) -> None:
+    """The plan row, its steps (`pending` = how many steps each waits for) and one dependency row per edge."""
+    nodes = {name: node_id for name, node_id in session.execute(select(Node.name, Node.id))}
+    missing = sorted({s.node for s in steps} - nodes.keys())
+    if missing:
+        raise BadInput(f"plan.steps.node: unknown node(s) {missing}")
+    _check_steps(steps, {w: n for w, n in session.execute(select(Worker.id, Worker.node_id))}, nodes)
+    session.add(row)
+    session.flush()
+    ids = dict(session.execute(
+        insert(StepRow).returning(StepRow.key, StepRow.id, sort_by_parameter_order=True),
+        [
+            {
+                "plan_id": row.id,
+                "key": s.key,
+                "worker_id": s.worker_id,
+                "node_id": nodes[s.node],
+                "action": s.action,
+                "args": json.loads(json.dumps(json_safe(dict(s.args)))),
+                "expansion_group": f"plan{row.id}.{s.group}" if s.group else None,
+                "depends_on": list(s.after),
+                "pending": len(set(s.after)),
+                "status": row.status is PlanStatus.APPLYING and not s.after and StepStatus.READY or StepStatus.BLOCKED,
+            }
+            for s in steps
+        ],
+    ).all())
+    edges = [{"step_id": ids[s.key], "after_id": ids[k]} for s in steps for k in dict.fromkeys(s.after)]
+    if edges:
+        session.execute(insert(PlanStepDep), edges)
 
 
 def _check_steps(steps: tuple[fleet.PlanStep, ...], worker_nodes: dict[int, int], nodes: dict[str, int]) -> None:
@@ -243,26 +256,22 @@ def apply_in(session: Session, plan_id: int | None) -> AppliedPlan | StalePlan:
         return StalePlan(message)
     other = session.scalar(select(PlanRow.id).where(PlanRow.status == PlanStatus.APPLYING))
     if other is not None:
-        raise PlanNotApplicable(f"plan {other} is still applying; wait for it (`pearlctl apply {other} --wait`) "
-                                f"before applying plan {plan.id}")
+        raise PlanNotApplicable(f"plan {other} is still applying; wait for it (`pearlctl apply --wait` is for a "
+                                f"plan you apply; `pearlctl status` shows its progress) before applying plan {plan.id}")
     plan.status, plan.applied_at = PlanStatus.APPLYING, func.now()
     session.flush()
-    ready = session.execute(
-        update(StepRow)
-        .where(StepRow.plan_id == plan.id, StepRow.status == StepStatus.BLOCKED)
-        .where(func.cardinality(StepRow.depends_on) == 0)
-        .values(status=StepStatus.READY)
-        .returning(StepRow.key, StepRow.node_id)
-        .execution_options(synchronize_session=False)
-    ).all()
+    free = session.scalars(select(StepRow.id).where(
+        StepRow.plan_id == plan.id, StepRow.status == StepStatus.BLOCKED, StepRow.pending == 0)).all()
+    ready = _settle(session, list(free))
     blocked = session.scalar(
         select(func.count()).where(StepRow.plan_id == plan.id, StepRow.status == StepStatus.BLOCKED)
     )
     names = _node_names(session)
-    return AppliedPlan(
-        plan.id, plan.base_version, tuple(sorted(k for k, _ in ready)), blocked or 0,
-        tuple(sorted({names[n] for _, n in ready})),
-    )
+    nodes = session.execute(select(StepRow.key, StepRow.node_id).where(StepRow.key.in_(ready),
+                                                                        StepRow.plan_id == plan.id)).all()
+    _finish_if_done(session, plan)
+    return AppliedPlan(plan.id, plan.base_version, tuple(sorted(ready)), blocked or 0,
+                       tuple(sorted({names[n] for _, n in nodes})))
 
 
 def apply(engine: Engine, plan_id: int | None = None, *, actor: str = "pearlctl apply") -> AppliedPlan:
@@ -280,6 +289,52 @@ def apply(engine: Engine, plan_id: int | None = None, *, actor: str = "pearlctl 
 # -- progression -------------------------------------------------------------------------------------
 
 
+def _settle(session: Session, step_ids: list[int]) -> list[str]:
+    """Steps whose dependencies all succeeded: each becomes ready, or, a barrier, succeeds at once
+    (and its own dependents follow). Returns the keys settled."""
+    keys: list[str] = []
+    queue = list(step_ids)
+    while queue:
+        rows = session.execute(
+            update(StepRow).where(StepRow.id.in_(queue), StepRow.status == StepStatus.BLOCKED, StepRow.pending == 0,
+                                  StepRow.action != StepAction.BARRIER)
+            .values(status=StepStatus.READY).returning(StepRow.key).execution_options(synchronize_session=False)
+        ).scalars().all()
+        keys.extend(rows)
+        barriers = session.execute(
+            update(StepRow).where(StepRow.id.in_(queue), StepRow.status == StepStatus.BLOCKED, StepRow.pending == 0,
+                                  StepRow.action == StepAction.BARRIER)
+            .values(status=StepStatus.SUCCEEDED, finished_at=func.now(), started_at=func.now())
+            .returning(StepRow.id, StepRow.key).execution_options(synchronize_session=False)
+        ).all()
+        queue = []
+        for barrier_id, key in barriers:
+            keys.append(key)
+            queue.extend(_dependents_free(session, barrier_id))
+    return keys
+
+
+def _dependents_free(session: Session, step_id: int) -> list[int]:
+    """One dependency fewer for each step waiting on `step_id`; the ids of those left with none."""
+    return [r.id for r in session.execute(query("release_dependents"), {"step_id": step_id}) if r.pending == 0]
+
+
+def _finish_if_done(session: Session, plan: PlanRow) -> bool:
+    """An applying plan with no step left unfinished succeeds (an index probe, not a scan)."""
+    left = session.scalar(select(StepRow.id).where(StepRow.plan_id == plan.id, StepRow.status.in_(NOT_DONE)).limit(1))
+    if left is None and plan.status is PlanStatus.APPLYING:
+        plan.status, plan.finished_at = PlanStatus.SUCCEEDED, func.now()
+        session.flush()
+        return True
+    return False
+
+
+def _locked_plan(session: Session, plan_id: int) -> PlanRow:
+    return session.scalars(
+        select(PlanRow).where(PlanRow.id == plan_id).with_for_update().execution_options(populate_existing=True)
+    ).one()
+
+
 def finish_step(
     session: Session,
     step_id: int,
@@ -287,93 +342,133 @@ def finish_step(
     status: StepStatus,
     *,
     error: str | None = None,
-    now: datetime | None = None,
 ) -> PlanProgress:
-    """An agent's report (the fenced `finish_step` query), then the plan's progression (`reconcile`).
+    """An agent's report under its claim, then the plan's progression (its dependents only).
 
-    Raises ClaimLost when the step is not running under `fence`; nothing changes then.
+    `succeeded` only when the step's effect is in the rows (`step_effects.effect_missing`; write it
+    with `complete_step`) and the plan still applies; `failed` fails the plan; `cancelled` only once
+    the plan stopped applying (the agent stopped the step). Raises ClaimLost when the step is not
+    running under `fence` (nothing changes), PlanStopped for a success after the plan stopped,
+    EffectMissing for a success without its effect.
     """
-    if status not in (StepStatus.SUCCEEDED, StepStatus.FAILED):
-        raise BadInput(f"status: a step finishes succeeded or failed, not {status}")
+    if status not in (StepStatus.SUCCEEDED, StepStatus.FAILED, StepStatus.CANCELLED):
+        raise BadInput(f"status: a step finishes succeeded, failed or cancelled, not {status}")
     lock_fleet(session)
-    plan_id = session.scalar(select(StepRow.plan_id).where(StepRow.id == step_id))
-    if plan_id is None:
-        raise ClaimLost(f"step {step_id} does not exist")
-    session.execute(select(PlanRow.id).where(PlanRow.id == plan_id).with_for_update())
-    params = {"step_id": step_id, "fence": fence, "status": status.value, "error": error,
-              "now": now or session.scalar(text("SELECT now()"))}
-    if session.execute(query("finish_step"), params).first() is None:
-        raise ClaimLost(f"step {step_id} is not running under fence {fence}: the claim expired or was taken over")
-    return reconcile(session, plan_id)
+    step = step_effects.claimed_step(session, step_id, fence, applying=status is StepStatus.SUCCEEDED)
+    plan = _locked_plan(session, step.plan_id)
+    if status is StepStatus.CANCELLED and plan.status is PlanStatus.APPLYING:
+        raise BadInput(f"status: step {step.key} cannot be cancelled while plan {plan.id} applies; report it "
+                       "failed")
+    if status is StepStatus.SUCCEEDED:
+        missing = step_effects.effect_missing(session, step)
+        if missing:
+            raise step_effects.EffectMissing(f"step {step.key} ({step.action}) cannot succeed: {missing}")
+    session.execute(query("finish_step"), {"step_id": step_id, "fence": fence, "status": status.value,
+                                           "error": error})
+    if status is StepStatus.FAILED:
+        if plan.status is not PlanStatus.APPLYING:
+            return PlanProgress(plan.id, plan.status)
+        return _fail(session, plan, f"step {step.key} ({step.action.value} on worker {step.worker_id}) "
+                                    f"failed: {error or 'no reason given'}")
+    if status is StepStatus.CANCELLED:
+        return PlanProgress(plan.id, plan.status)
+    readied = _settle(session, _dependents_free(session, step_id))
+    _finish_if_done(session, plan)
+    return PlanProgress(plan.id, plan.status, readied=tuple(readied))
+
+
+def complete_step(session: Session, step_id: int, fence: int, **effect: Any) -> PlanProgress:
+    """The end of the step's effect (`step_effects.end`, e.g. `endpoint=` for a start) and its
+    success, in the caller's transaction: both land, or neither."""
+    lock_fleet(session)
+    step = step_effects.claimed_step(session, step_id, fence)
+    step_effects.end(session, step, **effect)
+    return finish_step(session, step_id, fence, StepStatus.SUCCEEDED)
 
 
 def reconcile(session: Session, plan_id: int) -> PlanProgress:
-    """Bring an applying plan in line with its steps (idempotent; also after claims were rescued):
-    a failed step fails the plan and cancels the steps not yet run; otherwise the steps whose
-    dependencies all succeeded become ready, and the plan succeeds once every step has."""
-    plan = session.scalars(
-        select(PlanRow).where(PlanRow.id == plan_id).with_for_update().execution_options(populate_existing=True)
-    ).one()
+    """Bring an applying plan in line with its steps (idempotent; the reaper runs it after rescuing
+    claims): a failed step fails the plan; steps whose dependencies all succeeded settle; the plan
+    succeeds once every step has."""
+    lock_fleet(session)
+    plan = _locked_plan(session, plan_id)
     if plan.status is not PlanStatus.APPLYING:
         return PlanProgress(plan.id, plan.status)
-    steps = session.scalars(
-        select(StepRow).where(StepRow.plan_id == plan_id).order_by(StepRow.id).execution_options(populate_existing=True)
-    ).all()
-    failed = [s for s in steps if s.status is StepStatus.FAILED]
-    if failed:
-        first = failed[0]
-        return _fail(session, plan, steps, f"step {first.key} ({first.action.value} on worker {first.worker_id}) "
-                                           f"failed: {first.error or 'no reason given'}")
-    done = {s.key for s in steps if s.status is StepStatus.SUCCEEDED}
-    if len(done) == len(steps):
-        plan.status, plan.finished_at = PlanStatus.SUCCEEDED, func.now()
-        session.flush()
-        return PlanProgress(plan.id, PlanStatus.SUCCEEDED)
-    unblocked = [s.id for s in steps if s.status is StepStatus.BLOCKED and set(s.depends_on) <= done]
-    if unblocked:
-        session.execute(
-            update(StepRow).where(StepRow.id.in_(unblocked), StepRow.status == StepStatus.BLOCKED)
-            .values(status=StepStatus.READY).execution_options(synchronize_session=False)
-        )
-    return PlanProgress(plan.id, PlanStatus.APPLYING, readied=tuple(s.key for s in steps if s.id in set(unblocked)))
+    failed = session.scalars(select(StepRow).where(StepRow.plan_id == plan_id, StepRow.status == StepStatus.FAILED)
+                             .order_by(StepRow.id).limit(1)).first()
+    if failed is not None:
+        return _fail(session, plan, f"step {failed.key} ({failed.action.value} on worker {failed.worker_id}) "
+                                    f"failed: {failed.error or 'no reason given'}")
+    free = session.scalars(select(StepRow.id).where(
+        StepRow.plan_id == plan_id, StepRow.status == StepStatus.BLOCKED, StepRow.pending == 0)).all()
+    readied = _settle(session, list(free))
+    _finish_if_done(session, plan)
+    return PlanProgress(plan.id, plan.status, readied=tuple(readied))
 
 
-def _fail(session: Session, plan: PlanRow, steps: list[StepRow], error: str) -> PlanProgress:
-    """Mark the plan failed with `error` and cancel the steps not yet run (running ones report later;
-    a claim of theirs that expires is cancelled by the rescuer)."""
+def _fail(session: Session, plan: PlanRow, error: str) -> PlanProgress:
+    """Fail the plan with `error`, cancel its steps not yet run, and (unless it is itself a cleanup)
+    write and apply the cleanup plan of the workers it left between states."""
     plan.status, plan.finished_at, plan.error = PlanStatus.FAILED, func.now(), error
-    cancel = [s for s in steps if s.status in UNFINISHED]
-    if cancel:
-        session.execute(
-            update(StepRow).where(StepRow.id.in_([s.id for s in cancel]), StepRow.status.in_(UNFINISHED))
-            .values(status=StepStatus.CANCELLED, error=f"cancelled: {plan.error}")
-            .execution_options(synchronize_session=False)
-        )
-    # a group admitted all-or-nothing is abandoned as a whole when some member's admit did not succeed:
-    # its members that already took GPUs give them back (a fully admitted group stays: it serves)
-    groups = {s.expansion_group for s in steps
-              if s.expansion_group and s.action is StepAction.ADMIT and s.status is not StepStatus.SUCCEEDED}
-    members = {s.worker_id for s in steps if s.expansion_group in groups}
-    took = {s.worker_id for s in steps if s.worker_id in members and s.action is StepAction.START
-            and s.status in (StepStatus.SUCCEEDED, StepStatus.RUNNING)}
     session.flush()
-    return PlanProgress(plan.id, PlanStatus.FAILED, cancelled=tuple(s.key for s in cancel), release=tuple(sorted(took)))
+    cancelled = session.execute(
+        update(StepRow).where(StepRow.plan_id == plan.id, StepRow.status.in_(UNFINISHED))
+        .values(status=StepStatus.CANCELLED, error=f"cancelled: {error}", finished_at=func.now())
+        .returning(StepRow.key).execution_options(synchronize_session=False)
+    ).scalars().all()
+    release = () if plan.cleans_up is not None else _left_between_states(session, plan.id)
+    cleanup = _write_cleanup(session, plan.id, release) if release else None
+    return PlanProgress(plan.id, PlanStatus.FAILED, cancelled=tuple(sorted(cancelled)), release=release,
+                        cleanup=cleanup)
+
+
+def _left_between_states(session: Session, plan_id: int) -> tuple[int, ...]:
+    """Workers a failed plan leaves to clean up: every worker of its steps that is transitioning, and
+    every member of an expansion group whose admits did not all succeed (all-or-nothing, invariant 6)."""
+    touched = set(session.scalars(select(StepRow.worker_id).where(StepRow.plan_id == plan_id)))
+    transitioning = set(session.scalars(select(Worker.id).where(Worker.id.in_(touched),
+                                                                Worker.activity == Activity.TRANSITIONING)))
+    groups = set(session.scalars(select(StepRow.expansion_group).where(
+        StepRow.plan_id == plan_id, StepRow.action == StepAction.ADMIT, StepRow.status != StepStatus.SUCCEEDED,
+        StepRow.expansion_group.is_not(None))))
+    members = set(session.scalars(select(StepRow.worker_id).where(
+        StepRow.plan_id == plan_id, StepRow.expansion_group.in_(groups)))) if groups else set()
+    serving = set(session.scalars(select(Worker.id).where(Worker.id.in_(members),
+                                                          Worker.activity != Activity.INACTIVE)))
+    return tuple(sorted(transitioning | serving))
+
+
+def _write_cleanup(session: Session, failed_id: int, workers: tuple[int, ...]) -> int:
+    """A plan, applying at once, that drains (if serving), interrupts and releases `workers`."""
+    rows = session.execute(select(Worker.id, Worker.activity, Worker.zone, Node.name)
+                           .join(Node, Node.id == Worker.node_id).where(Worker.id.in_(workers))).all()
+    steps: list[fleet.PlanStep] = []
+    for wid, activity, zone, node in sorted(rows):
+        after: tuple[str, ...] = ()
+        if activity is Activity.ACTIVE:
+            steps.append(fleet.PlanStep(f"w{wid}.drain", StepAction.DRAIN, wid, node))
+            after = (f"w{wid}.drain",)
+        steps.append(fleet.PlanStep(f"w{wid}.interrupt", StepAction.INTERRUPT, wid, node, {"keep_partials": True},
+                                    after))
+        steps.append(fleet.PlanStep(f"w{wid}.release", StepAction.RELEASE, wid, node, {"zone": str(zone)},
+                                    (f"w{wid}.interrupt",)))
+    version = lock_fleet(session)
+    row = PlanRow(base_version=version, status=PlanStatus.APPLYING, applied_at=func.now(), cleans_up=failed_id,
+                  d_worker=len(rows), d_role=0)
+    _insert(session, row, tuple(steps))
+    return row.id
 
 
 def abort(engine: Engine, plan_id: int, *, actor: str = "pearlctl apply --abort") -> PlanProgress:
     """Fail an applying plan that cannot finish (its agents are gone, a step hangs): its steps not
-    yet run are cancelled, and the members of an expansion group not fully admitted that already took
-    GPUs are listed for release, as when a step fails. Raises NoPlan or PlanNotApplicable."""
+    yet run are cancelled and a cleanup plan releases the workers it left between states, as when a
+    step fails. Raises NoPlan or PlanNotApplicable."""
     with transaction(engine, actor=actor, reason=f"abort plan {plan_id}") as session:
         lock_fleet(session)
         plan = _plan_for_update(session, plan_id)
         if plan.status is not PlanStatus.APPLYING:
             raise PlanNotApplicable(f"plan {plan.id} is {plan.status.value}; only an applying plan can be aborted")
-        steps = session.scalars(
-            select(StepRow).where(StepRow.plan_id == plan.id).order_by(StepRow.id)
-            .execution_options(populate_existing=True)
-        ).all()
-        return _fail(session, plan, list(steps), f"aborted by {actor}")
+        return _fail(session, plan, f"aborted by {actor}")
 
 
 def step_counts(summary: Mapping[str, Any]) -> dict[str, int]:

@@ -1,6 +1,6 @@
 """The control-plane database: SQLAlchemy 2 typed ORM of the unified GPU-worker-role state.
 
-The tables here and migrations `0001_initial` .. `0003_step_node_training_audit` match exactly (`alembic check`).
+The tables here and migrations `0001_initial` .. `0004_step_protocol` match exactly (`alembic check`).
 What the ORM cannot express lives in the migration's SQL: the transition trigger (edges are rows of
 `gpu_transitions` and `worker_transitions`), the deferred check that a serving worker holds exactly
 its slot's GPUs, the `state_version` bump, the append-only `events` written by triggers, and the views.
@@ -139,6 +139,10 @@ class Worker(Base):
     weights_version: Mapped[int] = mapped_column(BigInteger, server_default=text("0"))
     endpoint: Mapped[str | None] = mapped_column(Text)  # http://host:port of its server while it runs
     generation: Mapped[int] = mapped_column(Integer, server_default=text("0"))  # +1 at each start
+    # The fencing token of the plan step whose effect last changed it; never goes down (0004, trigger).
+    last_fence: Mapped[int | None] = mapped_column(BigInteger)
+    # Set by the reaper while its node has no live agent (nobody can enact or watch it); cleared by its agent.
+    unreachable_since: Mapped[datetime | None] = mapped_column(TS)
 
 
 class GPU(Base):
@@ -301,6 +305,30 @@ class Plan(Base):
     d_worker: Mapped[int] = mapped_column(Integer, server_default=text("0"))
     d_role: Mapped[int] = mapped_column(Integer, server_default=text("0"))
     error: Mapped[str | None] = mapped_column(Text)
+    # A cleanup plan: the failed plan whose transitioning workers it drains and releases (0004).
+    cleans_up: Mapped[int | None] = mapped_column(ForeignKey("plans.id"))
+
+
+class PlanTransition(Base):
+    """An allowed plan status change; the trigger on `plans` refuses any other (0004)."""
+
+    __tablename__ = "plan_transitions"
+
+    from_status: Mapped[PlanStatus] = mapped_column(PLAN_STATUS, primary_key=True)
+    to_status: Mapped[PlanStatus] = mapped_column(PLAN_STATUS, primary_key=True)
+    comment: Mapped[str] = mapped_column(Text)
+
+
+class StepTransition(Base):
+    """An allowed step status change (for every action, or for one); the trigger on `plan_steps`
+    refuses any other (0004)."""
+
+    __tablename__ = "step_transitions"
+
+    from_status: Mapped[StepStatus] = mapped_column(STEP_STATUS, primary_key=True)
+    to_status: Mapped[StepStatus] = mapped_column(STEP_STATUS, primary_key=True)
+    only_action: Mapped[str | None] = mapped_column(Text)  # the one action this edge is for; NULL: any
+    comment: Mapped[str] = mapped_column(Text)
 
 
 class Agent(Base):
@@ -315,6 +343,7 @@ class Agent(Base):
     started_at: Mapped[datetime] = mapped_column(TS, server_default=NOW)
     heartbeat_at: Mapped[datetime] = mapped_column(TS, server_default=NOW)
     stopped_at: Mapped[datetime | None] = mapped_column(TS)
+    driver: Mapped[str] = mapped_column(Text, server_default=text("''"))  # sim or sglang (0004)
 
 
 class PlanStep(Base):
@@ -333,10 +362,12 @@ class PlanStep(Base):
             postgresql_where=text("status = 'running'"),
         ),
         Index(None, "node_id", "status"),
+        Index(None, "plan_id", "status"),
         CheckConstraint(
             "status <> 'running' OR (fence IS NOT NULL AND lease_until IS NOT NULL)", name="running_is_claimed"
         ),
         CheckConstraint("attempts >= 0", name="attempts_non_negative"),
+        CheckConstraint("pending >= 0", name="pending_non_negative"),
     )
 
     id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
@@ -348,6 +379,8 @@ class PlanStep(Base):
     args: Mapped[dict[str, Any]] = mapped_column(JSONB, server_default=text("'{}'::jsonb"))
     expansion_group: Mapped[str | None] = mapped_column(Text)  # admitted all-or-nothing (invariant 6)
     depends_on: Mapped[list[str]] = mapped_column(ARRAY(Text), server_default=text("'{}'::text[]"))  # step keys
+    # How many of the steps it depends on have not succeeded yet (0004); ready at 0.
+    pending: Mapped[int] = mapped_column(Integer, server_default=text("0"))
     status: Mapped[StepStatus] = mapped_column(STEP_STATUS, server_default=text("'blocked'"))
     fence: Mapped[int | None] = mapped_column(BigInteger)  # fencing token of the current claim
     claimed_by: Mapped[int | None] = mapped_column(ForeignKey("agents.id", ondelete="SET NULL"))
@@ -357,6 +390,34 @@ class PlanStep(Base):
     error: Mapped[str | None] = mapped_column(Text)
     started_at: Mapped[datetime | None] = mapped_column(TS)
     finished_at: Mapped[datetime | None] = mapped_column(TS)
+
+
+class PlanStepDep(Base):
+    """One dependency of a step: it runs once `after_id` succeeded (0004). One row per edge, so a
+    report finds its dependents by index."""
+
+    __tablename__ = "plan_step_deps"
+    __table_args__ = (Index(None, "after_id"),)
+
+    step_id: Mapped[int] = mapped_column(ForeignKey("plan_steps.id", ondelete="CASCADE"), primary_key=True)
+    after_id: Mapped[int] = mapped_column(ForeignKey("plan_steps.id", ondelete="CASCADE"), primary_key=True)
+
+
+class Router(Base):
+    """A front door the agents register workers with (`pearlctl router`), and the mode it serves (0004)."""
+
+    __tablename__ = "routers"
+    __table_args__ = (CheckConstraint("mode IN ('colocated', 'split')", name="mode_known"),)
+
+    name: Mapped[str] = mapped_column(Text, primary_key=True)
+    url: Mapped[str] = mapped_column(Text)  # where clients send requests
+    admin_url: Mapped[str] = mapped_column(Text)  # where agents register and deregister workers
+    mode: Mapped[str | None] = mapped_column(Text)  # colocated or split; NULL before the first worker
+    host: Mapped[str] = mapped_column(Text)
+    pid: Mapped[int | None] = mapped_column(Integer)
+    started_at: Mapped[datetime] = mapped_column(TS, server_default=NOW)
+    heartbeat_at: Mapped[datetime] = mapped_column(TS, server_default=NOW)
+    stopped_at: Mapped[datetime | None] = mapped_column(TS)
 
 
 class LeaderLease(Base):

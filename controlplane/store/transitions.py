@@ -152,6 +152,31 @@ def finish_release(session: Session, worker_id: int) -> None:
     _cas_activity(session, worker_id, Activity.TRANSITIONING, Activity.INACTIVE, **values)
 
 
+def set_activity(session: Session, worker_id: int, expected: Activity, new: Activity) -> None:
+    """`expected` -> `new`, nothing else (a drain, an admit)."""
+    _cas_activity(session, worker_id, expected, new)
+
+
+def set_role(session: Session, worker_id: int, role: Role) -> None:
+    """A new role for a worker that is not serving (a prefill <-> decode flip while transitioning)."""
+    lock_fleet(session)
+    moved = session.execute(
+        update(Worker).where(Worker.id == worker_id, Worker.activity != Activity.ACTIVE).values(role=role)
+        .returning(Worker.id).execution_options(synchronize_session=False)
+    ).scalars().all()
+    if not moved:
+        raise StateConflict(f"worker {worker_id} is active; its role changes only while it is not serving")
+
+
+def set_weights_version(session: Session, worker_id: int, version: int) -> None:
+    """The server now runs weights `version`; a worker never goes backwards (an older report is a no-op)."""
+    lock_fleet(session)
+    session.execute(
+        update(Worker).where(Worker.id == worker_id, Worker.weights_version < version).values(weights_version=version)
+        .execution_options(synchronize_session=False)
+    )
+
+
 def _cas_activity(session: Session, worker_id: int, expected: Activity, new: Activity, **values: object) -> None:
     lock_fleet(session)
     values.setdefault("activity", new)

@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 from pearl.controlplane.core.domain import GPUState, StepStatus
+from pearl.controlplane.store import step_effects
 from pearl.controlplane.store.db import transaction
+from pearl.controlplane.store.queries import query
 from pearl.controlplane.store.schema import GPU
 from pearl.controlplane.store.transitions import set_gpu_states
 from plan_support import (
@@ -20,6 +22,7 @@ from plan_support import (
     REPO,
     claim_ready,
     paper_inventory,
+    pin_clock,
     report,
     run_plan,
     write_inventory,
@@ -159,8 +162,8 @@ def test_apply_wait_exits_1_when_a_step_fails(pearlctl: Callable, pearlctl_env: 
     waiting = _apply_and_wait(pearlctl_env, database_url, 1)
     claimed = _until_claimed(engine, clock)
     report(engine, claimed[0], StepStatus.FAILED, clock(), error="cuda out of memory")
-    for step in claimed[1:]:
-        report(engine, step, StepStatus.SUCCEEDED, clock())
+    for step in claimed[1:]:  # the others' successes are refused (the plan failed): their agents stop them
+        assert report(engine, step, StepStatus.SUCCEEDED, clock(), stop_when_plan_stops=True).status == "failed"
     out, err = waiting.communicate(timeout=60)
     assert waiting.returncode == 1
     assert json.loads(out)["plan"]["status"] == "failed"
@@ -170,13 +173,21 @@ def test_apply_wait_exits_1_when_a_step_fails(pearlctl: Callable, pearlctl_env: 
 def test_apply_abort_gives_up_an_applying_plan(pearlctl: Callable, paper: Path, engine: Engine, clock) -> None:
     assert pearlctl("plan").returncode == 0
     assert pearlctl("apply", "1").returncode == 0
-    claimed = claim_ready(engine, clock())  # the agents took the first steps, then went silent
+    claimed = claim_ready(engine, clock())  # the agents took the first steps (and their GPUs), then went silent
+    for step in claimed:
+        with transaction(engine) as session:
+            step_effects.begin(session, step_effects.claimed_step(session, step["id"], step["fence"]))
     aborted = pearlctl("apply", "--abort", "1", "--json")
     assert aborted.returncode == 0, aborted.stderr
     out = json.loads(aborted.stdout)
     assert out["plan"]["status"] == "failed" and out["plan"]["error"] == "aborted by pearlctl apply --abort"
     assert out["cancelled"] and sorted(out["release"]) == sorted(s["worker_id"] for s in claimed)
     assert {s["status"] for s in out["plan"]["steps"]} == {"running", "cancelled"}
+    assert out["cleanup"] == 2  # applied at once: it releases what the aborted plan's starts took
+    with transaction(engine) as session:  # the silent agents' claims expire; the cleanup runs
+        pin_clock(session, clock.advance(60))
+        session.execute(query("rescue_expired_steps"), {"max_attempts": 3})
+    run_plan(engine, clock())
     again = pearlctl("apply", "--abort", "1")
     assert again.returncode == 1 and "plan 1 is failed; only an applying plan can be aborted" in again.stderr
     both = pearlctl("apply", "1", "--abort", "1")

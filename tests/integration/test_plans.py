@@ -9,14 +9,14 @@ from pearl.controlplane.core.fleet import Plan as FleetPlan
 from pearl.controlplane.core.fleet import PlanStep as PlanStep_
 from pearl.controlplane.core.fleet import Target
 from pearl.controlplane.core.orchestrator import orchestrate
-from pearl.controlplane.errors import BadInput, StalePlan
+from pearl.controlplane.errors import BadInput, ClaimLost, IllegalTransition, StalePlan
 from pearl.controlplane.store import plan_store
 from pearl.controlplane.store.db import transaction
 from pearl.controlplane.store.queries import query
 from pearl.controlplane.store.schema import GPU, Fleet, Plan, PlanStep
 from pearl.controlplane.store.snapshot import load_snapshot
 from pearl.controlplane.store.transitions import set_gpu_states
-from plan_support import COLOCATED_3, claim_ready, propose, report, run_plan
+from plan_support import COLOCATED_3, claim_ready, pin_clock, propose, report, run_plan
 from sqlalchemy import Engine, select, text
 from sqlalchemy.exc import IntegrityError
 
@@ -144,16 +144,18 @@ def test_steps_run_in_dependency_order_and_the_plan_succeeds(cluster_engine: Eng
     plan_store.apply(cluster_engine, plan_id)
     _, steps = rows(cluster_engine, plan_id)
     after = {s.key: set(s.depends_on) for s in steps}
-    succeeded: set[str] = set()
+    assert after["w1.admit"] == {"expand.barrier"} and after["expand.barrier"] == {
+        "w1.load_weights", "w2.load_weights", "w3.load_weights"}
     rounds = 0
     while claimed := claim_ready(cluster_engine, clock()):
         rounds += 1
+        succeeded = {s.key for s in rows(cluster_engine, plan_id)[1] if s.status is StepStatus.SUCCEEDED}
         for step in claimed:
             assert after[step["key"]] <= succeeded, f"{step['key']} ran before {after[step['key']] - succeeded}"
+            assert step["action"] != "barrier"  # a barrier is never claimed: it succeeds in the database
         for step in claimed:
             progress = report(cluster_engine, step, StepStatus.SUCCEEDED, clock.advance(1))
-            succeeded.add(step["key"])
-    assert succeeded == set(after) and rounds == 4  # start, load_weights, the group's admits, router_sync
+    assert rounds == 4  # start, load_weights, the group's admits, router_sync
     assert progress.status is PlanStatus.SUCCEEDED
     plan, steps = rows(cluster_engine, plan_id)
     assert plan.status is PlanStatus.SUCCEEDED and plan.finished_at is not None
@@ -174,11 +176,21 @@ def test_a_failed_step_fails_the_plan_and_cancels_the_group(cluster_engine: Engi
     assert all(status[f"w{w}.admit"] is StepStatus.CANCELLED for w in (1, 2, 3))
     assert status["router_sync"] is StepStatus.CANCELLED
     assert status["w2.load_weights"] is StepStatus.FAILED
-    assert set(failed[0].cancelled) == {k for k, s in status.items() if s is StepStatus.CANCELLED}
+    assert set(failed[0].cancelled) | {"w3.load_weights"} == {
+        k for k, s in status.items() if s is StepStatus.CANCELLED}
     assert failed[0].release == (1, 2, 3)
-    assert status["w3.load_weights"] is StepStatus.SUCCEEDED  # it was running: its report still counts
+    # w3.load_weights was running: its success is refused once the plan failed, and its agent stops it
+    assert status["w3.load_weights"] is StepStatus.CANCELLED
     with transaction(cluster_engine) as session:  # and reconciling again changes nothing
         assert plan_store.reconcile(session, plan_id) == plan_store.PlanProgress(plan_id, PlanStatus.FAILED)
+    # the cleanup plan, applied with the failure, released every member that took GPUs
+    cleanup, cleanup_steps = rows(cluster_engine, failed[0].cleanup)
+    assert cleanup.cleans_up == plan_id and cleanup.status is PlanStatus.SUCCEEDED
+    assert sorted(s.key for s in cleanup_steps) == sorted(f"w{w}.{a}" for w in (1, 2, 3)
+                                                         for a in ("interrupt", "release"))
+    with cluster_engine.connect() as conn:
+        assert conn.execute(text("SELECT count(*) FROM workers WHERE activity <> 'inactive'")).scalar() == 0
+        assert conn.execute(text("SELECT count(*) FROM gpus WHERE worker_id IS NOT NULL")).scalar() == 0
 
 
 def test_a_fully_admitted_group_is_not_released_when_a_later_step_fails(cluster_engine: Engine, clock) -> None:
@@ -202,18 +214,21 @@ def test_steps_of_a_failed_plan_are_never_rescued_or_claimed_again(cluster_engin
     failed = report(cluster_engine, starts["w1.start"], StepStatus.FAILED, clock(), "boom")
     assert failed.status is PlanStatus.FAILED
     # the agents running w2.start and w3.start die: their claims expire and the rescuer runs
+    assert failed.cleanup is None  # no start took its GPUs: nothing to clean up
     with transaction(cluster_engine) as session:
-        rescued = session.execute(query("rescue_expired_steps"), {"now": clock.advance(60), "max_attempts": 3}).all()
+        pin_clock(session, clock.advance(60))
+        rescued = session.execute(query("rescue_expired_steps"), {"max_attempts": 3}).all()
     assert sorted((r.id, r.status) for r in rescued) == sorted(
         (starts[k]["id"], "cancelled") for k in ("w2.start", "w3.start"))
     assert claim_ready(cluster_engine, clock()) == []
     _, steps = rows(cluster_engine, plan_id)
     assert not [s.key for s in steps if s.status in (StepStatus.READY, StepStatus.RUNNING)]
     assert all("no longer applying" in s.error for s in steps if s.key in ("w2.start", "w3.start"))
-    # a ready step left in a plan that is not applying (whatever put it there) is not handed out either
-    with transaction(cluster_engine) as session:
-        session.execute(text("UPDATE plan_steps SET status = 'ready', error = NULL WHERE plan_id = :p "
-                             "AND key = 'w2.start'"), {"p": plan_id})
+    # a finished step never comes back, not even by raw SQL: the step_transitions guard refuses it
+    with pytest.raises(IllegalTransition, match="illegal step transition: .* cancelled -> ready"):
+        with transaction(cluster_engine) as session:
+            session.execute(text("UPDATE plan_steps SET status = 'ready', error = NULL WHERE plan_id = :p "
+                                 "AND key = 'w2.start'"), {"p": plan_id})
     assert claim_ready(cluster_engine, clock()) == []
 
 
@@ -221,11 +236,11 @@ def test_a_report_under_a_lost_claim_changes_nothing(cluster_engine: Engine, clo
     plan_id = propose(cluster_engine)
     plan_store.apply(cluster_engine, plan_id)
     step = claim_ready(cluster_engine, clock())[0]
-    with pytest.raises(plan_store.ClaimLost, match=f"step {step['id']} is not running under fence"):
+    with pytest.raises(ClaimLost, match=f"step {step['id']} is not running under fence"):
         report(cluster_engine, {**step, "fence": step["fence"] + 1000}, StepStatus.SUCCEEDED, clock())
     _, steps = rows(cluster_engine, plan_id)
     assert next(s for s in steps if s.id == step["id"]).status is StepStatus.RUNNING
-    with pytest.raises(plan_store.BadInput, match="status: a step finishes succeeded or failed"):
+    with pytest.raises(BadInput, match="status: step .* cannot be cancelled while plan .* applies"):
         report(cluster_engine, step, StepStatus.CANCELLED, clock())
 
 
@@ -234,7 +249,8 @@ def test_a_step_failed_by_the_rescuer_fails_the_plan_on_reconcile(cluster_engine
     plan_store.apply(cluster_engine, plan_id)
     claim_ready(cluster_engine, clock())
     with transaction(cluster_engine) as session:  # every claim expires past its last attempt
-        session.execute(query("rescue_expired_steps"), {"now": clock.advance(60), "max_attempts": 1})
+        pin_clock(session, clock.advance(60))
+        session.execute(query("rescue_expired_steps"), {"max_attempts": 1})
         progress = plan_store.reconcile(session, plan_id)
     assert progress.status is PlanStatus.FAILED and "claim expired" in rows(cluster_engine, plan_id)[0].error
 
@@ -253,8 +269,8 @@ def test_plan_changes_are_in_the_events(cluster_engine: Engine, clock) -> None:
     assert [(e.op, e.old_value, e.new_value) for e in plan_events] == [
         ("insert", None, None), ("update", "proposed", "applying"), ("update", "applying", "succeeded")]
     assert plan_events[1].actor == "operator" and plan_events[2].actor == "test agent"
-    # each step: inserted, readied, claimed, finished
-    assert step_events == 4 * len(rows(cluster_engine, plan_id)[1])
+    # each step: inserted, readied, claimed, finished; the barrier: inserted, succeeded
+    assert step_events == 4 * (len(rows(cluster_engine, plan_id)[1]) - 1) + 2
 
 
 def test_wait_plan_returns_when_the_plan_finishes_and_times_out_otherwise(cluster_engine: Engine, clock) -> None:
@@ -311,11 +327,14 @@ def test_an_applying_plan_is_aborted_and_the_next_one_applies(cluster_engine: En
     assert status[starts[2]["key"]] is StepStatus.RUNNING  # its agent may still report; rescue cancels it
     assert set(progress.cancelled) == {k for k, s in status.items() if s is StepStatus.CANCELLED}
     assert set(progress.cancelled) == set(status) - {s["key"] for s in starts}
-    # the group was never admitted: every member that took GPUs gives them back
-    assert progress.release == tuple(sorted(s["worker_id"] for s in starts))
+    # the group was never admitted: every member that took GPUs gives them back (the third never did)
+    assert progress.release == tuple(sorted(s["worker_id"] for s in starts[:2]))
     with transaction(cluster_engine) as session:
-        rescued = session.execute(query("rescue_expired_steps"), {"now": clock.advance(60), "max_attempts": 3}).all()
+        pin_clock(session, clock.advance(60))
+        rescued = session.execute(query("rescue_expired_steps"), {"max_attempts": 3}).all()
     assert [(r.id, r.status) for r in rescued] == [(starts[2]["id"], "cancelled")]
+    run_plan(cluster_engine, clock())  # the agents enact the cleanup plan
+    assert rows(cluster_engine, progress.cleanup)[0].status is PlanStatus.SUCCEEDED
     with pytest.raises(plan_store.PlanNotApplicable, match=f"plan {plan_id} is failed; only an applying plan"):
         plan_store.abort(cluster_engine, plan_id)
     with pytest.raises(plan_store.NoPlan, match="plan 42 does not exist"):

@@ -21,6 +21,7 @@ from pearl.controlplane.store.queries import load_queries, query
 from pearl.controlplane.store.schema import Agent, Lease, Plan, PlanStep
 from pearl.controlplane.store.snapshot import load_snapshot
 from pearl.controlplane.store.transitions import admit_worker, set_gpu_states, start_worker
+from plan_support import pin_clock
 from sqlalchemy import Engine, select, text
 
 pytestmark = pytest.mark.integration
@@ -49,7 +50,8 @@ def make_plan(engine: Engine, node: str, n_workers: int | None = None) -> tuple[
 def claim(engine: Engine, agent: int, node: str, now: datetime, limit: int = 10) -> list[dict]:
     with transaction(engine) as session:
         node_id = session.execute(text("SELECT id FROM nodes WHERE name = :n"), {"n": node}).scalar_one()
-        rows = session.execute(query("claim_steps"), {"node_id": node_id, "agent_id": agent, "now": now,
+        pin_clock(session, now)
+        rows = session.execute(query("claim_steps"), {"node_id": node_id, "agent_id": agent,
                                                       "lease_s": LEASE_S, "limit": limit}).mappings().all()
         return [dict(r) for r in rows]
 
@@ -114,18 +116,21 @@ def test_expired_claims_are_rescued_and_late_reports_change_nothing(cluster_engi
     agent, (step,) = make_plan(cluster_engine, "roll-0", n_workers=1)
     (claimed,) = claim(cluster_engine, agent, "roll-0", clock())
     with transaction(cluster_engine) as session:
+        pin_clock(session, clock.advance(20))
         renewed = session.execute(query("renew_step_lease"), {"step_id": step, "fence": claimed["fence"],
-                                                              "now": clock.advance(20), "lease_s": LEASE_S}).all()
-    assert len(renewed) == 1
+                                                              "lease_s": LEASE_S}).all()
+    assert len(renewed) == 1 and renewed[0].plan_status == "applying"
+    assert (renewed[0].lease_until - clock()).total_seconds() == LEASE_S  # the database's clock
     with transaction(cluster_engine) as session:  # not expired yet
-        assert session.execute(query("rescue_expired_steps"), {"now": clock.advance(LEASE_S - 1),
-                                                               "max_attempts": 3}).all() == []
+        pin_clock(session, clock.advance(LEASE_S - 1))
+        assert session.execute(query("rescue_expired_steps"), {"max_attempts": 3}).all() == []
     with transaction(cluster_engine) as session:  # the agent went silent past its lease
-        rescued = session.execute(query("rescue_expired_steps"), {"now": clock.advance(2), "max_attempts": 3}).all()
+        pin_clock(session, clock.advance(2))
+        rescued = session.execute(query("rescue_expired_steps"), {"max_attempts": 3}).all()
     assert [(r.id, r.status, r.attempts) for r in rescued] == [(step, "ready", 1)]
     (again,) = claim(cluster_engine, agent, "roll-0", clock())
     assert again["fence"] > claimed["fence"] and again["attempts"] == 2
-    finish = {"step_id": step, "status": "succeeded", "error": None, "now": clock()}
+    finish = {"step_id": step, "status": "succeeded", "error": None}
     with transaction(cluster_engine) as session:  # the first claimer wakes up: fenced out
         assert session.execute(query("finish_step"), {**finish, "fence": claimed["fence"]}).all() == []
     with transaction(cluster_engine) as session:
@@ -139,8 +144,8 @@ def test_a_step_whose_claims_keep_expiring_fails(cluster_engine: Engine, clock) 
     for attempt in (1, 2):
         claim(cluster_engine, agent, "roll-0", clock())
         with transaction(cluster_engine) as session:
-            rows = session.execute(query("rescue_expired_steps"), {"now": clock.advance(LEASE_S + 1),
-                                                                   "max_attempts": 2}).all()
+            pin_clock(session, clock.advance(LEASE_S + 1))
+            rows = session.execute(query("rescue_expired_steps"), {"max_attempts": 2}).all()
         assert [(r.status, r.attempts) for r in rows] == [("ready" if attempt == 1 else "failed", attempt)]
 
 

@@ -26,8 +26,10 @@ from plan_support import (
     claim_ready,
     import_cluster,
     in_threads,
+    pin_clock,
     propose,
     report,
+    run_plan,
     small_inventory,
     telemetry,
 )
@@ -101,9 +103,11 @@ def test_concurrent_reports_of_the_last_dependencies_never_lose_the_wake_up(clus
             admits = session.execute(select(PlanStep.key, PlanStep.status).where(
                 PlanStep.plan_id == plan_id, PlanStep.action == "admit")).all()
             assert sorted(admits) == [(f"w{w}.admit", StepStatus.READY) for w in (1, 2, 3)]
-            session.execute(text("UPDATE plans SET status = 'failed' WHERE id = :p"), {"p": plan_id})
-            session.execute(text("UPDATE plan_steps SET status = 'cancelled' WHERE plan_id = :p "
-                                 "AND status IN ('ready', 'blocked')"), {"p": plan_id})
+        # give the plan up; its cleanup releases the three workers, so the next round starts afresh
+        cleanup = plan_store.abort(cluster_engine, plan_id).cleanup
+        run_plan(cluster_engine, clock())
+        with transaction(cluster_engine) as session:
+            assert session.get(Plan, cleanup).status is PlanStatus.SUCCEEDED
 
 
 def test_concurrent_ingestions_never_lose_a_step(db_engine: Engine) -> None:
@@ -166,14 +170,16 @@ def test_a_rescue_racing_a_plan_failure_never_revives_a_step(cluster_engine: Eng
         starts = {s["key"]: s for s in claim_ready(cluster_engine, clock())}
         first = starts["w1.start"]
         with transaction(cluster_engine) as session:  # w1's agent is alive and heartbeats
+            pin_clock(session, clock())
             session.execute(query("renew_step_lease"), {"step_id": first["id"], "fence": first["fence"],
-                                                        "now": clock(), "lease_s": 600})
+                                                        "lease_s": 600})
         now = clock.advance(60)  # the claims of w2.start and w3.start ran out: their agents died
 
         def rescue(now: datetime = now, lag_s: float = 0.05 * (round_ % 2)) -> list:
             time.sleep(lag_s)  # every other round the failure most likely commits first
             with transaction(cluster_engine) as session:
-                return session.execute(query("rescue_expired_steps"), {"now": now, "max_attempts": 3}).all()
+                pin_clock(session, now)
+                return session.execute(query("rescue_expired_steps"), {"max_attempts": 3}).all()
 
         failed, _ = in_threads(lambda s=first, t=now: report(cluster_engine, s, StepStatus.FAILED, t, "boom"), rescue)
         assert failed.status is PlanStatus.FAILED, failed

@@ -38,7 +38,8 @@ def target(members, **counts: int) -> Target:
 
 
 def chain(plan: Plan, wid: int) -> list[StepAction]:
-    return [s.action for s in plan.steps if s.worker_id == wid and s.action is not StepAction.ROUTER_SYNC]
+    return [s.action for s in plan.steps
+            if s.worker_id == wid and s.action not in (StepAction.ROUTER_SYNC, StepAction.BARRIER)]
 
 
 def by_key(plan: Plan) -> dict:
@@ -69,10 +70,13 @@ def test_added_workers_start_load_and_are_admitted_as_one_group():
     steps = by_key(plan)
     assert steps["w5.start"].args == {"role": "colocated", "zone": "overlap"}
     assert steps["w5.start"].node == "n1"
+    barrier = steps["expand.barrier"]  # all-or-nothing: the group meets at one barrier
+    assert barrier.action is StepAction.BARRIER and barrier.group == EXPANSION_GROUP
+    assert set(barrier.after) == {"w1.load_weights", "w5.load_weights"} and barrier.worker_id == 1
     for wid in (1, 5):
         admit = steps[f"w{wid}.admit"]
         assert admit.group == EXPANSION_GROUP
-        assert set(admit.after) == {"w1.load_weights", "w5.load_weights"}  # all-or-nothing
+        assert admit.after == ("expand.barrier",)
     assert "router_sync" not in steps  # colocated stays colocated
 
 
@@ -106,9 +110,10 @@ def test_mode_change_restarts_survivors_and_syncs_the_router_last():
     assert steps["w0.start"].after == ("w0.release",)
     admits = {k for k, s in steps.items() if s.action is StepAction.ADMIT}
     assert admits == {"w0.admit", "w1.admit", "w2.admit", "w3.admit"}
+    assert set(steps["expand.barrier"].after) == {f"w{i}.load_weights" for i in range(4)}
     for k in admits:
         assert steps[k].group == EXPANSION_GROUP
-        assert set(steps[k].after) == {f"w{i}.load_weights" for i in range(4)}
+        assert steps[k].after == ("expand.barrier",)
     sync = plan.steps[-1]
     assert sync.key == "router_sync" and sync.action is StepAction.ROUTER_SYNC
     assert set(sync.after) == admits and sync.args == {"mode": "split"}

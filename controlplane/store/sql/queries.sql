@@ -3,50 +3,87 @@
 
 -- name: claim_steps
 -- Claim up to :limit ready steps of one node for one agent, in one statement: each gets a lease
--- until :now + :lease_s seconds and a fresh fencing token. SKIP LOCKED lets claimers pass each other;
--- at most one step per worker is taken (and the unique index keeps one running step per worker).
--- Only steps of the applying plan: a failed, stale or superseded plan's steps never run.
-WITH ready AS (
+-- until pearl_now() + :lease_s seconds (the database's clock) and a fresh fencing token. SKIP LOCKED
+-- lets claimers pass each other; at most one step per worker is taken (and the unique index keeps one
+-- running step per worker). Only steps of the applying plan, whose row is read under a share lock:
+-- a plan being failed or aborted at this moment is skipped, and its steps are cancelled, never run.
+-- Barriers are never claimed (they succeed in the database).
+WITH clock AS (SELECT pearl_now() AS now),
+ready AS (
     SELECT s.id, row_number() OVER (PARTITION BY s.worker_id ORDER BY s.plan_id, s.id) AS nth
     FROM plan_steps s
-    WHERE s.node_id = :node_id AND s.status = 'ready'
-      AND EXISTS (SELECT 1 FROM plans p WHERE p.id = s.plan_id AND p.status = 'applying')
+    WHERE s.node_id = :node_id AND s.status = 'ready' AND s.action <> 'barrier'
       AND NOT EXISTS (SELECT 1 FROM plan_steps r WHERE r.worker_id = s.worker_id AND r.status = 'running')
 ), c AS (
     SELECT s.id
     FROM plan_steps s
     JOIN ready ON ready.id = s.id AND ready.nth = 1
-    WHERE s.status = 'ready'  -- re-checked on the latest row version once locked: a step just claimed is skipped
+    JOIN plans p ON p.id = s.plan_id
+    WHERE s.status = 'ready' AND p.status = 'applying'  -- re-checked on the latest row versions once locked
     ORDER BY s.plan_id, s.id
     LIMIT :limit
     FOR UPDATE OF s SKIP LOCKED
+    FOR SHARE OF p SKIP LOCKED
 )
 UPDATE plan_steps s
 SET status = 'running',
     fence = nextval('plan_step_fence'),
     claimed_by = :agent_id,
-    claimed_at = :now,
-    lease_until = :now + make_interval(secs => :lease_s),
+    claimed_at = clock.now,
+    lease_until = clock.now + make_interval(secs => :lease_s),
     attempts = s.attempts + 1,
-    started_at = coalesce(s.started_at, :now),
+    started_at = coalesce(s.started_at, clock.now),
     error = NULL
-FROM c
+FROM c, clock
 WHERE s.id = c.id
 RETURNING s.*;
 
 -- name: renew_step_lease
 -- Extend the claim of a running step; nothing happens unless the caller still holds that claim.
-UPDATE plan_steps
-SET lease_until = :now + make_interval(secs => :lease_s)
-WHERE id = :step_id AND fence = :fence AND status = 'running'
-RETURNING id, lease_until;
+-- Returns the plan's status: an agent whose plan stopped applying (failed, aborted) stops the step
+-- and reports it cancelled.
+UPDATE plan_steps s
+SET lease_until = pearl_now() + make_interval(secs => :lease_s)
+FROM plans p
+WHERE s.id = :step_id AND s.fence = :fence AND s.status = 'running' AND p.id = s.plan_id
+RETURNING s.id, s.lease_until, p.status AS plan_status;
+
+-- name: claimed_step
+-- The step an effect is written for, locked, only while the caller's claim holds (running under
+-- :fence); its plan's row is share-locked, so the plan cannot fail between this check and the commit.
+SELECT s.id, s.plan_id, s.key, s.worker_id, s.node_id, s.action, s.args, s.expansion_group, s.fence,
+       p.status AS plan_status
+FROM plan_steps s
+JOIN plans p ON p.id = s.plan_id
+WHERE s.id = :step_id AND s.fence = :fence AND s.status = 'running'
+FOR UPDATE OF s
+FOR SHARE OF p;
 
 -- name: finish_step
--- The fenced compare-and-set an agent reports with: succeeded or failed, only under its own claim.
+-- The fenced compare-and-set an agent reports with: succeeded, failed or cancelled, only under its
+-- own claim.
 UPDATE plan_steps
-SET status = CAST(:status AS step_status), error = :error, finished_at = :now, lease_until = NULL
+SET status = CAST(:status AS step_status), error = :error, finished_at = pearl_now(), lease_until = NULL
 WHERE id = :step_id AND fence = :fence AND status = 'running'
-RETURNING id, status;
+RETURNING id, plan_id, status;
+
+-- name: hand_back_step
+-- An agent that stops (SIGTERM) gives back a step it holds, for another claim; the attempt is not
+-- counted (every action is idempotent, so the next claim redoes what is missing).
+UPDATE plan_steps
+SET status = 'ready', claimed_by = NULL, lease_until = NULL, attempts = greatest(attempts - 1, 0),
+    error = 'handed back by its agent'
+WHERE id = :step_id AND fence = :fence AND status = 'running'
+RETURNING id;
+
+-- name: release_dependents
+-- A step succeeded: every step waiting for it has one unfinished dependency fewer. Touches only its
+-- dependents (plan_step_deps is indexed by after_id).
+UPDATE plan_steps s
+SET pending = s.pending - 1
+FROM plan_step_deps d
+WHERE d.after_id = :step_id AND s.id = d.step_id AND s.status = 'blocked'
+RETURNING s.id, s.key, s.action, s.pending;
 
 -- name: rescue_expired_steps
 -- Running steps whose claim lease ran out (their agent stopped heartbeating): back to ready for
@@ -54,11 +91,12 @@ RETURNING id, status;
 -- longer applying (it failed meanwhile: nothing of it may run again). The old fence stays, so a late
 -- report from the lost claim changes nothing. The plan row is read under a share lock (skipped while
 -- another transaction changes it, so a plan failing at this moment sees the rescued step and cancels it).
-WITH expired AS (
+WITH clock AS (SELECT pearl_now() AS now),
+expired AS (
     SELECT s.id, p.status = 'applying' AS live
     FROM plan_steps s
     JOIN plans p ON p.id = s.plan_id
-    WHERE s.status = 'running' AND s.lease_until < :now
+    WHERE s.status = 'running' AND s.lease_until < (SELECT now FROM clock)
     ORDER BY s.id
     FOR UPDATE OF s SKIP LOCKED
     FOR SHARE OF p SKIP LOCKED
@@ -69,20 +107,32 @@ SET status = CASE WHEN NOT expired.live THEN CAST('cancelled' AS step_status)
                   ELSE CAST('ready' AS step_status) END,
     claimed_by = NULL,
     lease_until = NULL,
-    finished_at = CASE WHEN NOT expired.live OR s.attempts >= :max_attempts THEN :now END,
+    finished_at = CASE WHEN NOT expired.live OR s.attempts >= :max_attempts THEN clock.now END,
     error = 'claim expired (attempt ' || s.attempts || ')'
             || CASE WHEN expired.live THEN '' ELSE '; its plan is no longer applying' END
-FROM expired
+FROM expired, clock
 WHERE s.id = expired.id
-RETURNING s.id, s.status, s.attempts;
+RETURNING s.id, s.plan_id, s.status, s.attempts;
 
 -- name: silent_agents
 -- Agents that have not heartbeaten for :timeout_s seconds and did not say they stopped.
-SELECT a.id, n.name AS node, a.host, a.pid, a.heartbeat_at
+SELECT a.id, n.name AS node, a.node_id, a.host, a.pid, a.heartbeat_at
 FROM agents a
 JOIN nodes n ON n.id = a.node_id
-WHERE a.stopped_at IS NULL AND a.heartbeat_at < :now - make_interval(secs => :timeout_s)
+WHERE a.stopped_at IS NULL AND a.heartbeat_at < pearl_now() - make_interval(secs => :timeout_s)
 ORDER BY a.id;
+
+-- name: hold_leader_lease
+-- Take or renew the leadership :name for :ttl_s seconds: granted when nobody holds it, when its
+-- lease ran out, or when :holder holds it already. Returns a row only when :holder leads.
+INSERT INTO leader_leases AS l (name, holder, acquired_at, expires_at)
+VALUES (:name, :holder, pearl_now(), pearl_now() + make_interval(secs => :ttl_s))
+ON CONFLICT (name) DO UPDATE
+SET holder = EXCLUDED.holder,
+    acquired_at = CASE WHEN l.holder = EXCLUDED.holder THEN l.acquired_at ELSE EXCLUDED.acquired_at END,
+    expires_at = EXCLUDED.expires_at
+WHERE l.holder = EXCLUDED.holder OR l.expires_at < pearl_now()
+RETURNING holder, acquired_at, expires_at;
 
 -- name: gpu_state_by_zone
 SELECT zone, state, gpus FROM gpu_state_by_zone ORDER BY zone, state;

@@ -1,0 +1,241 @@
+"""The node agent (`pearlctl agent --node NAME`): claims its node's plan steps and enacts them.
+
+Stateless: everything it needs is in the rows and in its driver's run directory, so it can be killed
+at any instant and a new one carries on. The loop:
+- registers an `agents` row, heartbeats it every `heartbeat_s` (the database's clock), and renews the
+  lease of every step in hand; a renewal that finds the claim lost, or the plan no longer applying,
+  stops that step;
+- wakes on NOTIFY (`pearl_steps` for its node, `pearl_plans`), and polls every `poll_s` anyway: the
+  rows are the truth, a notification only a hint;
+- claims up to `max_steps` ready steps of its node in one statement (`claim_steps`, SKIP LOCKED, at
+  most one per worker) and enacts each in a thread of its own (`agents.steps`);
+- runs a reaper pass every `reap_every_s` while it holds the `reaper` leader lease;
+- reports each step with the fenced effect transaction: succeeded only with its effect in the rows;
+  failed with the driver's message; cancelled once its plan stopped.
+SIGTERM: it claims nothing more, lets the steps in hand finish for up to `grace_s`, hands back what is
+left (another claim redoes what is missing), marks itself stopped and exits 0. SIGKILL loses nothing:
+the leases of its steps expire and the reaper gives them to the next claim; the servers it launched
+keep serving and the next agent on the node adopts them (the driver's run directory).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import psycopg
+from pearl.agents.drivers.base import Driver
+from pearl.agents.steps import HANDLERS, FrontDoorAPI, ServerAPI, StepCancelled, StepContext, Timeouts
+from pearl.controlplane.core.domain import PlanStatus, StepStatus
+from pearl.controlplane.errors import ClaimLost, DatabaseUnavailable, PearlError
+from pearl.controlplane.store import agent_registry, plan_store, reaper, step_effects
+from pearl.controlplane.store.db import transaction
+from pearl.controlplane.store.queries import query
+
+log = logging.getLogger("pearl.agent")
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    node: str
+    driver: str = "sim"
+    lease_s: float = 20.0  # a claim's lease; renewed every heartbeat
+    poll_s: float = 1.0  # claim at least this often, notifications or not
+    heartbeat_s: float = 2.0
+    max_steps: int = 8  # steps enacted at once (on distinct workers)
+    reap_every_s: float = 5.0
+    agent_timeout_s: float = 30.0  # the reaper treats an agent silent this long as gone
+    max_attempts: int = 3  # claims of one step that may expire before it fails
+    grace_s: float = 20.0  # SIGTERM: how long the steps in hand may take before they are handed back
+    timeouts: Timeouts = field(default_factory=Timeouts)
+
+
+class Agent:
+    def __init__(self, engine: Any, config: AgentConfig, driver: Driver, *,
+                 client: Callable[[str], ServerAPI], front_door: Callable[[], FrontDoorAPI]) -> None:
+        self.engine = engine
+        self.config = config
+        self.driver = driver
+        self.client = client
+        self.front_door = front_door
+        self.registration: agent_registry.Registration | None = None
+        self.holder = f"{socket.gethostname()}:{os.getpid()}:{config.node}"
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._plan_changed = threading.Event()
+        self._lock = threading.Lock()
+        self._in_hand: dict[int, StepContext] = {}  # step id -> its context
+        self._pool = ThreadPoolExecutor(max_workers=config.max_steps, thread_name_prefix=f"step-{config.node}")
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Ask the loop to stop (SIGTERM): finish or hand back the steps in hand, then exit."""
+        self._stop.set()
+        self._wake.set()
+
+    def run(self) -> None:
+        """Register, then loop until `stop()`."""
+        c = self.config
+        self.registration = agent_registry.register_agent(self.engine, c.node, host=socket.gethostname(),
+                                                          pid=os.getpid(), driver=c.driver)
+        log.info("agent %s started on node %s (driver %s)", self.registration.agent_id, c.node, c.driver,
+                 extra={"action": "start_agent"})
+        listener = threading.Thread(target=self._listen, name=f"listen-{c.node}", daemon=True)
+        listener.start()
+        next_beat = next_reap = 0.0
+        try:
+            while not self._stop.is_set():
+                now = time.monotonic()
+                try:
+                    if now >= next_beat or self._plan_changed.is_set():
+                        self._plan_changed.clear()
+                        self._heartbeat()
+                        next_beat = now + c.heartbeat_s
+                    if now >= next_reap:
+                        self._reap()
+                        next_reap = now + c.reap_every_s
+                    self._claim()
+                except DatabaseUnavailable as exc:  # keep trying: the steps in hand keep their leases for a while
+                    log.warning("database unavailable: %s", exc, extra={"action": "database_unavailable"})
+                self._wake.wait(min(c.poll_s, max(0.0, next_beat - time.monotonic())))
+                self._wake.clear()
+        finally:
+            self._shutdown()
+
+    def _shutdown(self) -> None:
+        c = self.config
+        deadline = time.monotonic() + c.grace_s
+        while self._in_hand and time.monotonic() < deadline:
+            self._heartbeat()
+            time.sleep(min(0.1, c.heartbeat_s))
+        with self._lock:
+            left = list(self._in_hand.values())
+        for ctx in left:
+            ctx.stop("shutdown")
+        self._pool.shutdown(wait=True)
+        if self.registration is not None:
+            try:
+                agent_registry.mark_stopped(self.engine, self.registration.agent_id)
+            except PearlError as exc:
+                log.warning("could not mark the agent stopped: %s", exc)
+        log.info("agent stopped", extra={"action": "stop_agent"})
+
+    # -- the loop's parts -----------------------------------------------------------------------
+
+    def _heartbeat(self) -> None:
+        assert self.registration is not None
+        agent_registry.heartbeat(self.engine, self.registration.agent_id)
+        with self._lock:
+            in_hand = list(self._in_hand.values())
+        for ctx in in_hand:
+            with transaction(self.engine) as session:
+                row = session.execute(query("renew_step_lease"), {"step_id": ctx.id, "fence": ctx.fence,
+                                                                  "lease_s": self.config.lease_s}).first()
+            if row is None:
+                ctx.stop("claim")
+            elif row.plan_status != PlanStatus.APPLYING.value:
+                ctx.stop("plan")
+
+    def _reap(self) -> None:
+        c = self.config
+        if agent_registry.hold_leader_lease(self.engine, "reaper", self.holder, ttl_s=3 * c.reap_every_s):
+            report = reaper.reap(self.engine, max_attempts=c.max_attempts, agent_timeout_s=c.agent_timeout_s,
+                                 actor=f"reaper in agent {c.node}")
+            if not report.empty:
+                log.info("reaped %s", report.to_dict(), extra={"action": "reap"})
+
+    def _claim(self) -> None:
+        assert self.registration is not None
+        with self._lock:
+            free = self.config.max_steps - len(self._in_hand)
+        if free <= 0 or self._stop.is_set():
+            return
+        with transaction(self.engine, actor=f"agent {self.config.node}") as session:
+            rows = session.execute(query("claim_steps"), {
+                "node_id": self.registration.node_id, "agent_id": self.registration.agent_id,
+                "lease_s": self.config.lease_s, "limit": free}).mappings().all()
+        for row in rows:
+            ctx = StepContext(self.engine, dict(row), self.driver, self.client, self.front_door,
+                              self.registration.address, actor=f"agent {self.config.node}",
+                              timeouts=self.config.timeouts)
+            with self._lock:
+                self._in_hand[ctx.id] = ctx
+            log.info("claimed %s (step %s, fence %s)", row["key"], row["id"], row["fence"],
+                     extra={"action": "claim_step"})
+            self._pool.submit(self._enact, ctx)
+
+    def _enact(self, ctx: StepContext) -> None:
+        key = ctx.step["key"]
+        try:
+            HANDLERS[ctx.action](ctx)
+            log.info("%s succeeded", key, extra={"action": "step_success"})
+        except StepCancelled as exc:
+            self._stopped(ctx, exc.reason)
+        except step_effects.PlanStopped:
+            self._stopped(ctx, "plan")
+        except ClaimLost as exc:
+            log.warning("%s: %s", key, exc, extra={"action": "claim_lost"})
+        except Exception as exc:  # the step failed: report it, with the driver's message
+            log.warning("%s failed: %s", key, exc, extra={"action": "step_failure"})
+            self._report(ctx, StepStatus.FAILED, f"{type(exc).__name__}: {exc}" if not isinstance(exc, PearlError)
+                         else str(exc))
+        finally:
+            with self._lock:
+                self._in_hand.pop(ctx.id, None)
+            self._wake.set()
+
+    def _stopped(self, ctx: StepContext, reason: str) -> None:
+        if reason == "plan":
+            self._report(ctx, StepStatus.CANCELLED, "its plan stopped applying")
+        elif reason == "shutdown":
+            try:
+                with transaction(self.engine, actor=f"agent {self.config.node}") as session:
+                    session.execute(query("hand_back_step"), {"step_id": ctx.id, "fence": ctx.fence})
+                log.info("%s handed back", ctx.step["key"], extra={"action": "hand_back_step"})
+            except PearlError as exc:
+                log.warning("%s: could not hand back: %s", ctx.step["key"], exc)
+
+    def _report(self, ctx: StepContext, status: StepStatus, error: str) -> None:
+        try:
+            with transaction(self.engine, actor=f"agent {self.config.node}") as session:
+                plan_store.finish_step(session, ctx.id, ctx.fence, status, error=error)
+        except step_effects.PlanStopped:
+            pass
+        except ClaimLost as exc:
+            log.warning("%s: %s", ctx.step["key"], exc, extra={"action": "claim_lost"})
+        except PearlError as exc:  # the lease runs out and the reaper takes the step back
+            log.warning("%s: could not report %s: %s", ctx.step["key"], status, exc)
+
+    # -- wake-ups -------------------------------------------------------------------------------
+
+    def _listen(self) -> None:
+        """NOTIFY wake-ups; reconnects with backoff. The rows stay the truth."""
+        assert self.registration is not None
+        node = str(self.registration.node_id)
+        url = self.engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
+        backoff = 0.5
+        while not self._stop.is_set():
+            try:
+                with psycopg.connect(url, autocommit=True, connect_timeout=5) as conn:
+                    conn.execute("LISTEN pearl_steps")
+                    conn.execute("LISTEN pearl_plans")
+                    backoff = 0.5
+                    while not self._stop.is_set():
+                        for note in conn.notifies(timeout=1.0):
+                            if note.channel == "pearl_plans":
+                                self._plan_changed.set()  # renew at once: a step of a stopped plan stops
+                                self._wake.set()
+                            elif note.payload == node:
+                                self._wake.set()
+            except psycopg.Error as exc:
+                log.debug("listener: %s", exc)
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, 10.0)

@@ -1,0 +1,294 @@
+"""What an agent does for each plan step: the server calls (through the driver and SGLang's HTTP API)
+and the fenced row changes around them (`controlplane.store.step_effects`).
+
+Every handler is idempotent: it looks at the rows and at the server first and does only what is
+missing, so a step run twice (a rescued claim, a handed-back step) takes effect once. Every command
+to a server carries the claim's fencing token. A handler calls `ctx.check()` (or waits through
+`ctx.wait`) so that a step whose plan stopped, or whose claim was lost, stops promptly; it ends with
+`ctx.complete(...)`, which writes the end of the effect and the success in one transaction.
+
+  drain         out of service in the rows, off the front door, then let requests finish (bounded)
+  interrupt     abort what still runs (`pause_generation` abort): the front door resubmits each
+                request's rest, with what it generated kept, to another worker
+  release       overlap: release the GPU memory (the server sleeps until the next loan); dedicated:
+                stop the server; then its GPUs are free in the rows
+  start         take the GPUs in the rows first, then resume a sleeping server (a prefill <-> decode
+                change flips it) or launch one, and wait until it answers
+  load_weights  bring the server to the trainer's latest weights (a snapshot from disk)
+  admit         register with the front door, then active in the rows
+  flip_role     wait until idle, then `pd_role_switch` in place
+  router_sync   switch the front door to the target mode
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from pearl.agents.drivers.base import Driver, DriverError, Server, ServerSpec, WeightsRef
+from pearl.controlplane.core.domain import Role, StepAction, WorkerZone
+from pearl.controlplane.errors import PearlError
+from pearl.controlplane.store import plan_store, step_effects
+from pearl.controlplane.store.db import transaction
+from pearl.controlplane.store.step_view import WorkerView, worker_view
+
+log = logging.getLogger("pearl.agent")
+
+
+class StepCancelled(PearlError):
+    """The step stops: its plan stopped applying, its claim was lost, or its agent is shutting down."""
+
+    def __init__(self, reason: str, message: str = "") -> None:
+        super().__init__(message or reason)
+        self.reason = reason  # "plan", "claim" or "shutdown"
+
+
+class ServerAPI(Protocol):
+    """The part of SGLang's HTTP API the steps use (`agents.server_client.ServerClient`)."""
+
+    def health(self) -> bool: ...
+    def is_idle(self) -> bool: ...
+    def model_info(self) -> dict[str, Any]: ...
+    def pause_generation(self, mode: str = "abort", *, fence: int | None = None) -> None: ...
+    def continue_generation(self, *, fence: int | None = None) -> None: ...
+    def release_memory_occupation(self, *, fence: int | None = None) -> None: ...
+    def resume_memory_occupation(self, *, fence: int | None = None) -> None: ...
+    def pd_role_switch(self, new_role: str, *, fence: int | None = None) -> None: ...
+    def update_weights_from_disk(self, model_path: str, weight_version: int, *, fence: int | None = None) -> None: ...
+
+
+class FrontDoorAPI(Protocol):
+    """What the steps ask of the front door (`agents.router`): which workers it routes to, and its mode."""
+
+    def register(self, worker_id: int, url: str, role: str, bootstrap_port: int | None) -> None: ...
+    def deregister(self, worker_id: int) -> None: ...
+    def set_mode(self, mode: str) -> None: ...
+
+
+class NoFrontDoor:
+    """A fleet with no front door registered: clients reach the servers some other way."""
+
+    def register(self, worker_id: int, url: str, role: str, bootstrap_port: int | None) -> None:
+        return None
+
+    def deregister(self, worker_id: int) -> None:
+        return None
+
+    def set_mode(self, mode: str) -> None:
+        return None
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """How long a step waits on a server (seconds of wall time)."""
+
+    ready_s: float = 600.0  # a launched server answers /health
+    drain_s: float = 30.0  # requests finish on their own before an interrupt aborts them
+    idle_s: float = 60.0  # an interrupted or drained server has nothing left running
+    poll_s: float = 0.05
+
+
+@dataclass
+class StepContext:
+    """One claimed step as its handler sees it."""
+
+    engine: Any
+    step: Mapping[str, Any]  # the claimed row (id, key, action, args, fence, worker_id, ...)
+    driver: Driver
+    client: Callable[[str], ServerAPI]  # endpoint -> API client
+    front_door: Callable[[], FrontDoorAPI]
+    node_address: str
+    actor: str
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    cancel: threading.Event = field(default_factory=threading.Event)
+    cancel_reason: str = "plan"
+
+    @property
+    def id(self) -> int:
+        return int(self.step["id"])
+
+    @property
+    def fence(self) -> int:
+        return int(self.step["fence"])
+
+    @property
+    def action(self) -> StepAction:
+        return StepAction(self.step["action"])
+
+    @property
+    def args(self) -> Mapping[str, Any]:
+        return self.step.get("args") or {}
+
+    def stop(self, reason: str) -> None:
+        self.cancel_reason = reason
+        self.cancel.set()
+
+    def check(self) -> None:
+        if self.cancel.is_set():
+            raise StepCancelled(self.cancel_reason, f"step {self.step['key']} stops: {self.cancel_reason}")
+
+    def wait(self, done: Callable[[], bool], timeout_s: float, what: str) -> bool:
+        """Poll `done` until true (True) or `timeout_s` passes (False); stops early if cancelled."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.check()
+            if done():
+                return True
+            if time.monotonic() >= deadline:
+                log.info("%s: %s not reached after %.1f s", self.step["key"], what, timeout_s)
+                return False
+            self.cancel.wait(self.timeouts.poll_s)
+
+    def worker(self) -> WorkerView:
+        with transaction(self.engine) as session:
+            return worker_view(session, int(self.step["worker_id"]))
+
+    def begin(self) -> WorkerView:
+        """The part of the effect before the server is touched (fenced), then the worker as it is."""
+        self.check()
+        with transaction(self.engine, actor=self.actor, reason=f"step {self.step['key']}") as session:
+            step_effects.begin(session, step_effects.claimed_step(session, self.id, self.fence))
+            return worker_view(session, int(self.step["worker_id"]))
+
+    def complete(self, **effect: Any) -> plan_store.PlanProgress:
+        """The end of the effect and the success, in one fenced transaction."""
+        self.check()
+        with transaction(self.engine, actor=self.actor, reason=f"step {self.step['key']}") as session:
+            return plan_store.complete_step(session, self.id, self.fence, **effect)
+
+    def server_api(self, server: Server) -> ServerAPI:
+        return self.client(server.endpoint)
+
+
+def _idle(api: ServerAPI) -> Callable[[], bool]:
+    def idle() -> bool:
+        try:
+            return api.is_idle()
+        except DriverError:
+            return False
+    return idle
+
+
+def drain(ctx: StepContext) -> None:
+    w = ctx.begin()
+    ctx.front_door().deregister(w.id)
+    server = ctx.driver.running(w.id)
+    if server is not None:
+        ctx.wait(_idle(ctx.server_api(server)), ctx.timeouts.drain_s, "idle after drain")
+    ctx.complete()
+
+
+def interrupt(ctx: StepContext) -> None:
+    w = ctx.worker()
+    server = ctx.driver.running(w.id)
+    if server is not None:
+        api = ctx.server_api(server)
+        if not api.is_idle():
+            api.pause_generation("abort", fence=ctx.fence)
+            if not ctx.wait(_idle(api), ctx.timeouts.idle_s, "idle after interrupt"):
+                raise DriverError(f"worker {w.id}: requests still running {ctx.timeouts.idle_s:g} s after the abort")
+            api.continue_generation(fence=ctx.fence)
+    ctx.complete()
+
+
+def release(ctx: StepContext) -> None:
+    w = ctx.begin()
+    server = ctx.driver.running(w.id)
+    if server is not None:
+        if w.zone is WorkerZone.OVERLAP:
+            ctx.server_api(server).release_memory_occupation(fence=ctx.fence)  # sleeps until the next loan
+        else:
+            ctx.driver.stop(w.id)
+    ctx.complete()
+
+
+def start(ctx: StepContext) -> None:
+    w = ctx.begin()
+    role = Role(ctx.args["role"])
+    server = ctx.driver.running(w.id)
+    if server is not None and w.zone is WorkerZone.OVERLAP and (server.role is Role.COLOCATED) == (
+            role is Role.COLOCATED):
+        api = ctx.server_api(server)  # the server slept through the training step: wake it
+        api.resume_memory_occupation(fence=ctx.fence)
+        if server.role is not role:
+            api.pd_role_switch(role.value, fence=ctx.fence)
+    elif server is None or server.generation != w.generation or server.role is not role:
+        if server is not None:
+            ctx.driver.stop(w.id)
+        spec = ServerSpec(
+            worker_id=w.id, node=w.node, host=ctx.node_address, role=role, devices=w.devices, tp=w.tp,
+            model=w.model, gpu=w.gpu, generation=w.generation, fence=ctx.fence,
+            overlap=w.zone is WorkerZone.OVERLAP, weights=_weights(w),
+        )
+        server = ctx.driver.launch(spec)
+    ctx.check()
+    ctx.driver.wait_ready(server, ctx.timeouts.ready_s)
+    ctx.complete(endpoint=server.endpoint)
+
+
+def _weights(w: WorkerView) -> WeightsRef | None:
+    return WeightsRef(w.trainer_version, w.snapshot) if w.trainer_version and w.snapshot else None
+
+
+def load_weights(ctx: StepContext) -> None:
+    w = ctx.worker()
+    version = w.trainer_version
+    if version > w.weights_version:
+        server = ctx.driver.running(w.id)
+        if server is None:
+            raise DriverError(f"worker {w.id} has no server to load weights version {version} into")
+        if not w.snapshot:
+            raise DriverError(f"weights version {version} has no snapshot to load")
+        api = ctx.server_api(server)
+        if int(api.model_info().get("weight_version") or 0) != version:
+            api.update_weights_from_disk(w.snapshot, version, fence=ctx.fence)
+        loaded = int(api.model_info().get("weight_version") or 0)
+        if loaded != version:
+            raise DriverError(f"worker {w.id} reports weights version {loaded} after loading {version}")
+    ctx.complete(weights_version=max(version, w.weights_version))
+
+
+def admit(ctx: StepContext) -> None:
+    w = ctx.worker()
+    server = ctx.driver.running(w.id)
+    if server is None:
+        raise DriverError(f"worker {w.id} has no server to admit")
+    ctx.front_door().register(w.id, server.endpoint, Role(ctx.args["role"]).value, server.bootstrap_port)
+    ctx.complete()
+
+
+def flip_role(ctx: StepContext) -> None:
+    w = ctx.worker()
+    role = Role(ctx.args["role"])
+    server = ctx.driver.running(w.id)
+    if server is None:
+        raise DriverError(f"worker {w.id} has no server to flip to {role}")
+    if server.role is not role:
+        api = ctx.server_api(server)
+        if not ctx.wait(_idle(api), ctx.timeouts.idle_s, "idle before the role switch"):
+            raise DriverError(f"worker {w.id} is not idle after {ctx.timeouts.idle_s:g} s; a role switch needs it idle")
+        api.pd_role_switch(role.value, fence=ctx.fence)
+        ctx.driver.record_role(w.id, role)
+    ctx.complete()
+
+
+def router_sync(ctx: StepContext) -> None:
+    ctx.check()
+    ctx.front_door().set_mode(str(ctx.args["mode"]))
+    ctx.complete()
+
+
+HANDLERS: dict[StepAction, Callable[[StepContext], None]] = {
+    StepAction.DRAIN: drain,
+    StepAction.INTERRUPT: interrupt,
+    StepAction.RELEASE: release,
+    StepAction.START: start,
+    StepAction.LOAD_WEIGHTS: load_weights,
+    StepAction.ADMIT: admit,
+    StepAction.FLIP_ROLE: flip_role,
+    StepAction.ROUTER_SYNC: router_sync,
+}

@@ -1,0 +1,229 @@
+"""Node agents enact plans against a real PostgreSQL: two agents (one per node), in this process, with
+an in-process driver whose servers really change state (tests/agent_support.py)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+
+import pytest
+from agent_support import FakeDriver, FakeFrontDoor, FakeServers
+from pearl.agents.agent import Agent, AgentConfig
+from pearl.agents.steps import Timeouts
+from pearl.controlplane.core.domain import Activity, GPUState, PlanStatus, Role
+from pearl.controlplane.core.fleet import Target
+from pearl.controlplane.errors import IllegalTransition
+from pearl.controlplane.store import plan_store
+from pearl.controlplane.store.db import transaction
+from pearl.controlplane.store.fleet_status import read_fleet_status
+from pearl.controlplane.store.schema import GPU, Worker
+from plan_support import import_cluster, propose
+from sqlalchemy import Engine, select, text
+
+pytestmark = pytest.mark.integration
+
+TWO_NODES = {
+    "model": "qwen3-8b", "gpu": "h800", "tp": 2,
+    "nodes": [
+        {"name": "node-a", "zone": "rollout", "gpus": 4, "address": "127.0.0.1"},  # workers 1, 2
+        {"name": "node-b", "zone": "rollout", "gpus": 4, "address": "127.0.0.1"},  # workers 3, 4
+    ],
+}
+FAST = dict(lease_s=2.0, poll_s=0.1, heartbeat_s=0.2, reap_every_s=0.3, agent_timeout_s=1.5,
+            timeouts=Timeouts(ready_s=5, drain_s=0.2, idle_s=2, poll_s=0.01))
+ALL = frozenset({1, 2, 3, 4})
+
+
+def target(**counts: int) -> Target:
+    return Target(ALL, {Role(r): n for r, n in counts.items()}, reason="test")
+
+
+class Fleet:
+    """Agents in threads over fake servers; stop them all at the end."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.servers = FakeServers()
+        self.front_door = FakeFrontDoor()
+        self.drivers: dict[str, FakeDriver] = {}  # one per node, shared by the agents of that node
+        self.agents: list[tuple[Agent, threading.Thread]] = []
+
+    def start(self, node: str, **overrides: object) -> Agent:
+        config = AgentConfig(node=node, driver="fake", **{**FAST, **overrides})  # type: ignore[arg-type]
+        driver = self.drivers.setdefault(node, FakeDriver(self.servers, node))
+        agent = Agent(self.engine, config, driver, client=self.servers.client, front_door=lambda: self.front_door)
+        thread = threading.Thread(target=agent.run, name=f"agent-{node}", daemon=True)
+        thread.start()
+        self.agents.append((agent, thread))
+        return agent
+
+    def stop(self) -> None:
+        for agent, _ in self.agents:
+            agent.stop()
+        for _, thread in self.agents:
+            thread.join(timeout=30)
+            assert not thread.is_alive()
+
+
+@pytest.fixture
+def fleet(db_engine: Engine) -> Iterator[Fleet]:
+    import_cluster(db_engine, TWO_NODES)
+    f = Fleet(db_engine)
+    try:
+        yield f
+    finally:
+        f.stop()
+
+
+def apply_and_wait(engine: Engine, t: Target, timeout_s: float = 30) -> dict:
+    plan_id = propose(engine, t)
+    plan_store.apply(engine, plan_id)
+    return plan_store.wait_plan(engine, plan_id, timeout_s=timeout_s, poll_s=0.05)
+
+
+def roles(engine: Engine) -> dict[int, tuple[Activity, Role]]:
+    with transaction(engine) as session:
+        return {w.id: (w.activity, w.role) for w in session.scalars(select(Worker).order_by(Worker.id))}
+
+
+def test_two_agents_enact_colocated_2p2d_1p3d_colocated(fleet: Fleet) -> None:
+    fleet.start("node-a")
+    fleet.start("node-b")
+    shapes = [(target(colocated=4), {Role.COLOCATED: 4}, "colocated"),
+              (target(prefill=2, decode=2), {Role.PREFILL: 2, Role.DECODE: 2}, "split"),
+              (target(prefill=1, decode=3), {Role.PREFILL: 1, Role.DECODE: 3}, "split"),
+              (target(colocated=4), {Role.COLOCATED: 4}, "colocated")]
+    for t, counts, mode in shapes:
+        summary = apply_and_wait(fleet.engine, t)
+        assert summary["status"] == "succeeded", summary["error"]
+        # the rows show the effect: every worker active in its role, holding its GPUs
+        now = roles(fleet.engine)
+        assert all(a is Activity.ACTIVE for a, _ in now.values())
+        assert Counter(r for _, r in now.values()) == counts
+        with transaction(fleet.engine) as session:
+            assert set(session.scalars(select(GPU.state))) == {GPUState.BOUND}
+            endpoints = dict(session.execute(select(Worker.id, Worker.endpoint)).all())
+        # and so do the servers and the front door
+        for wid, (_, role) in now.items():
+            server = fleet.servers.by_endpoint[endpoints[wid]]
+            assert server.alive and server.role is role and not server.released
+            assert fleet.front_door.workers[wid] == (endpoints[wid], role.value)
+        assert fleet.front_door.mode == mode
+    # 2P2D -> 1P3D flipped one prefill server in place; the mode changes restarted every server
+    flips = [c for s in fleet.servers.by_endpoint.values() for c in s.commands if c.startswith("switch:")]
+    assert flips == ["switch:decode"]
+    assert fleet.servers.launches == 4 + 4 + 4  # colocated, split, colocated again
+
+
+def test_an_agent_that_dies_mid_step_is_rescued_and_the_step_takes_effect_once(fleet: Fleet) -> None:
+    fleet.servers.hang_launch.set()  # the first agent's launch hangs: it will look dead
+    dead = fleet.start("node-a", heartbeat_s=0.2)
+    plan_id = propose(fleet.engine, Target(frozenset({1}), {Role.COLOCATED: 1}))
+    plan_store.apply(fleet.engine, plan_id)
+    _wait_for(lambda: _step(fleet.engine, plan_id, "w1.start")["status"] == "running")
+    first = _step(fleet.engine, plan_id, "w1.start")
+    with transaction(fleet.engine) as session:
+        generation = session.scalar(select(Worker.generation).where(Worker.id == 1))
+    # the agent dies (SIGKILL-like: no hand-back, no report): it stops heartbeating and renewing
+    dead._heartbeat = lambda: None  # type: ignore[method-assign]
+    dead._stop.set()
+    # another agent of the node takes over once the claim's lease has run out
+    fleet.start("node-a")
+    _wait_for(lambda: _step(fleet.engine, plan_id, "w1.start")["attempts"] == 2, timeout_s=15)
+    fleet.servers.hang_launch.clear()
+    summary = plan_store.wait_plan(fleet.engine, plan_id, timeout_s=30, poll_s=0.05)
+    assert summary["status"] == "succeeded", summary["error"]
+    second = _step(fleet.engine, plan_id, "w1.start")
+    assert second["fence"] > first["fence"]
+    with transaction(fleet.engine) as session:
+        w = session.get(Worker, 1)
+        assert w.activity is Activity.ACTIVE and w.generation == generation + 1  # started once
+        assert w.last_fence is not None and w.last_fence >= second["fence"]
+    alive = [s for s in fleet.servers.by_endpoint.values() if s.alive and s.spec.worker_id == 1]
+    assert len(alive) == 1  # one server serves the worker, whoever launched it
+
+
+def test_an_aborted_plans_running_step_stops_and_its_cleanup_frees_the_gpus(fleet: Fleet) -> None:
+    fleet.servers.hang_launch.set()
+    fleet.start("node-a")
+    plan_id = propose(fleet.engine, Target(frozenset({1, 2}), {Role.COLOCATED: 2}))
+    plan_store.apply(fleet.engine, plan_id)
+    _wait_for(lambda: _step(fleet.engine, plan_id, "w1.start")["status"] == "running"
+              and _step(fleet.engine, plan_id, "w2.start")["status"] == "running")
+    _wait_for(lambda: roles(fleet.engine)[1][0] is Activity.TRANSITIONING)  # the starts took their GPUs
+    progress = plan_store.abort(fleet.engine, plan_id, actor="operator")
+    assert progress.cleanup is not None and progress.release == (1, 2)
+    fleet.servers.hang_launch.clear()  # the launches return; the steps see their plan stopped
+    _wait_for(lambda: _step(fleet.engine, plan_id, "w1.start")["status"] == "cancelled"
+              and _step(fleet.engine, plan_id, "w2.start")["status"] == "cancelled")
+    summary = plan_store.wait_plan(fleet.engine, progress.cleanup, timeout_s=30, poll_s=0.05)
+    assert summary["status"] == "succeeded", summary["error"]
+    assert all(a is Activity.INACTIVE for a, _ in roles(fleet.engine).values())
+    with transaction(fleet.engine) as session:
+        assert set(session.scalars(select(GPU.state))) == {GPUState.FREE}
+    assert not any(s.alive for s in fleet.servers.by_endpoint.values())
+
+
+def _step(engine: Engine, plan_id: int, key: str) -> dict:
+    with engine.connect() as conn:
+        return dict(conn.execute(text("SELECT * FROM plan_steps WHERE plan_id = :p AND key = :k"),
+                                 {"p": plan_id, "k": key}).mappings().one())
+
+
+def _wait_for(condition, timeout_s: float = 10) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_a_succeeded_plan_never_applies_again_not_even_by_raw_sql(fleet: Fleet) -> None:
+    fleet.start("node-a")
+    fleet.start("node-b")
+    assert apply_and_wait(fleet.engine, target(colocated=4))["status"] == PlanStatus.SUCCEEDED.value
+    with pytest.raises(IllegalTransition, match="illegal plan transition: plan 1 succeeded -> applying"):
+        with transaction(fleet.engine) as session:
+            session.execute(text("UPDATE plans SET status = 'applying' WHERE id = 1"))
+
+
+def test_status_shows_the_agents_and_who_holds_each_step_in_progress(fleet: Fleet) -> None:
+    fleet.servers.hang_launch.set()
+    agent = fleet.start("node-a")
+    plan_id = propose(fleet.engine, Target(frozenset({1}), {Role.COLOCATED: 1}))
+    plan_store.apply(fleet.engine, plan_id)
+    _wait_for(lambda: _step(fleet.engine, plan_id, "w1.start")["status"] == "running")
+    status = read_fleet_status(fleet.engine)
+    fleet.servers.hang_launch.clear()
+    assert agent.registration is not None
+    (row,) = [a for a in status["agents"] if a["id"] == agent.registration.agent_id]
+    assert row["node"] == "node-a" and row["driver"] == "fake" and row["stopped_at"] is None
+    assert 0 <= row["heartbeat_age_s"] < 5
+    assert status["plan"]["id"] == plan_id
+    (running,) = status["plan"]["running"]
+    assert (running["key"], running["agent"], running["node"]) == ("w1.start", agent.registration.agent_id, "node-a")
+    assert status["router"] is None  # no front door registered in this fleet
+
+
+def test_pearlctl_reap_rescues_a_dead_agents_step(fleet: Fleet, database_url: str, tmp_path) -> None:
+    from pearl.cli.app import app
+    from typer.testing import CliRunner
+
+    fleet.servers.hang_launch.set()
+    dead = fleet.start("node-a", lease_s=0.5, reap_every_s=3600)  # it will not reap by itself
+    plan_id = propose(fleet.engine, Target(frozenset({1}), {Role.COLOCATED: 1}))
+    plan_store.apply(fleet.engine, plan_id)
+    _wait_for(lambda: _step(fleet.engine, plan_id, "w1.start")["status"] == "running")
+    dead._heartbeat = lambda: None  # type: ignore[method-assign]  # it stops renewing: it is dead
+    time.sleep(1.0)
+    env = {"PEARL_DATABASE_URL": database_url, "PEARL_HOME": str(tmp_path)}
+    done = CliRunner().invoke(app, ["reap", "--json", "--agent-timeout", "60"], env=env)
+    assert done.exit_code == 0, done.output
+    out = json.loads(done.stdout)
+    assert out["rescued"] == [{"step": _step(fleet.engine, plan_id, "w1.start")["id"], "status": "ready"}]
+    assert out["failed_plans"] == [] and out["silent_agents"] == []
+    again = CliRunner().invoke(app, ["reap"], env=env)
+    assert again.exit_code == 0 and "nothing to reap" in again.stdout
+    fleet.servers.hang_launch.clear()
