@@ -30,13 +30,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-import psycopg
 from pearl.agents.drivers.base import Driver
 from pearl.agents.steps import HANDLERS, FrontDoorAPI, ServerAPI, StepCancelled, StepContext, Timeouts
 from pearl.controlplane.core.domain import PlanStatus, StepStatus
 from pearl.controlplane.errors import ClaimLost, DatabaseUnavailable, PearlError
 from pearl.controlplane.store import agent_registry, plan_store, reaper, step_effects
 from pearl.controlplane.store.db import transaction
+from pearl.controlplane.store.notifications import listen
 from pearl.controlplane.store.queries import query
 
 log = logging.getLogger("pearl.agent")
@@ -217,25 +217,15 @@ class Agent:
     # -- wake-ups -------------------------------------------------------------------------------
 
     def _listen(self) -> None:
-        """NOTIFY wake-ups; reconnects with backoff. The rows stay the truth."""
+        """NOTIFY wake-ups (a hint; the rows stay the truth)."""
         assert self.registration is not None
         node = str(self.registration.node_id)
-        url = self.engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
-        backoff = 0.5
-        while not self._stop.is_set():
-            try:
-                with psycopg.connect(url, autocommit=True, connect_timeout=5) as conn:
-                    conn.execute("LISTEN pearl_steps")
-                    conn.execute("LISTEN pearl_plans")
-                    backoff = 0.5
-                    while not self._stop.is_set():
-                        for note in conn.notifies(timeout=1.0):
-                            if note.channel == "pearl_plans":
-                                self._plan_changed.set()  # renew at once: a step of a stopped plan stops
-                                self._wake.set()
-                            elif note.payload == node:
-                                self._wake.set()
-            except psycopg.Error as exc:
-                log.debug("listener: %s", exc)
-                self._stop.wait(backoff)
-                backoff = min(backoff * 2, 10.0)
+
+        def woken(channel: str, payload: str) -> None:
+            if channel == "pearl_plans":
+                self._plan_changed.set()  # renew at once: a step of a stopped plan stops
+                self._wake.set()
+            elif payload == node:
+                self._wake.set()
+
+        listen(self.engine, ("pearl_steps", "pearl_plans"), woken, self._stop)

@@ -24,9 +24,10 @@ def _register() -> None:
     init.register(app)
     cluster.register(app)
     status.register(app)
-    from pearl.cli import apply, event, plan, profile, reap
+    from pearl.cli import apply, event, plan, policy, profile, reap
 
     plan.register(app)
+    policy.register(app)
     apply.register(app)
     event.register(app)
     profile.register(app)

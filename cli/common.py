@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -40,3 +41,28 @@ def emit_json(obj: Any) -> None:
     """The one JSON object a `--json` command prints."""
     sys.stdout.write(json.dumps(obj, default=str, sort_keys=False) + "\n")
     sys.stdout.flush()
+
+
+class _JsonLines(logging.Formatter):
+    """One JSON object per line: time, level, logger, message, and the record's `action` and extras."""
+
+    _STANDARD = frozenset(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {"message", "asctime"}
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = {"time": self.formatTime(record, "%Y-%m-%dT%H:%M:%S"), "level": record.levelname.lower(),
+                "logger": record.name, "message": record.getMessage()}
+        line.update({k: v for k, v in record.__dict__.items() if k not in self._STANDARD})
+        if record.exc_info:
+            line["exception"] = self.formatException(record.exc_info)
+        return json.dumps(line, default=str)
+
+
+def setup_logging(json_lines: bool = False, level: int = logging.INFO) -> None:
+    """Logs of a long-running process (agent, worker, loop, router) on stderr: plain lines, or JSON."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_JsonLines() if json_lines else logging.Formatter(
+        "%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+    root = logging.getLogger("pearl")
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+    root.propagate = False

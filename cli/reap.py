@@ -51,6 +51,10 @@ def reap(
         parts.append(f"plan(s) {', '.join(map(str, report.finished_plans))} succeeded")
     if report.silent_agents:
         parts.append(f"silent agent(s) {', '.join(map(str, report.silent_agents))} marked stopped")
+    if report.revoked_gpus:
+        parts.append(f"revoked GPU(s) {', '.join(map(str, report.revoked_gpus))} (their notice ran out)")
+    if report.training_started is not None:
+        parts.append(f"training step {report.training_started} started (its GPUs are back)")
     if report.unreachable_workers:
         parts.append(f"worker(s) {', '.join(map(str, report.unreachable_workers))} unreachable (no live agent)")
     out.print("; ".join(parts), highlight=False)

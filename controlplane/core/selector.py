@@ -34,16 +34,12 @@ from pearl.controlplane.core.predictor import (
     prepare,
 )
 from pearl.controlplane.core.profile import Profile
-from pearl.controlplane.core.switching import SwitchCosts, SwitchDecision, decide_switch
+from pearl.controlplane.core.switching import DEFAULT_COSTS, SwitchCosts, SwitchDecision, decide_switch
 from pearl.controlplane.errors import BadInput
 
 REFINE = 16  # candidates re-timed with the time-aware tail model (the best of the round model)
-# When the caller passes no costs (before any duration is measured): the `reconfig` block and
-# `training.weight_sync_s` of docs/formats.md's example scenario and of the shipped Qwen3-8B scenarios
-# (sim/scenarios/paper-qwen3-8b-*.yaml, ablation-qwen3-8b-*.yaml), from the paper's latencies in docs/method.md
-# (preparation 56-67 s, admission 11-18 s). Callers with a scenario or inventory use its own figures
-# (SwitchCosts.from_reconfig).
-DEFAULT_COSTS = SwitchCosts(cold_start_s=60.0, admit_s=12.0, role_switch_s=8.0, weight_sync_s=2.0)
+# When the caller passes no costs (before any duration is measured): switching.DEFAULT_COSTS, the
+# paper's latencies. Callers with a scenario or inventory use its own figures (SwitchCosts.from_reconfig).
 
 
 @dataclass(frozen=True)

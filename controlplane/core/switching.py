@@ -50,6 +50,25 @@ STEP_COSTS = {
 
 
 @dataclass(frozen=True)
+class ReconfigCosts:
+    """What each actuator costs before anything is measured: the paper's latencies (docs/method.md:
+    inter-scale preparation 56-67 s in the background, admission 11-18 s, borrow activation ~6 s,
+    return 3-4 s; docs/calibration.md: SGLang role switch, weight sync ~2 s for an 8B model). The
+    same figures as the shipped Qwen3-8B scenarios' `reconfig` block; the live policy starts from
+    them and folds in what its steps measure."""
+
+    cold_start_s: float = 60.0  # start a server (a colocated <-> split change restarts every one)
+    admit_s: float = 12.0  # admit a ready expansion group
+    role_switch_s: float = 8.0  # prefill <-> decode in place
+    toggle_on_s: float = 6.0  # resume a borrowed GPU's sleeping server
+    toggle_off_s: float = 3.5  # return it: drain, keep partials, release memory
+    weight_sync_s: float = 2.0  # load the latest weights into a (re)started server
+
+
+DEFAULT_RECONFIG = ReconfigCosts()
+
+
+@dataclass(frozen=True)
 class SwitchCosts:
     """Measured durations (seconds) of the actuators a reconfiguration uses."""
 
@@ -137,3 +156,6 @@ def decide_switch(
         f"{kind} threshold {threshold:.1f} s (cost {cost:.1f} s + {NOISE_MARGIN:.0%} margin)"
     )
     return SwitchDecision(gain > threshold, gain, cost, threshold, work, reason)
+
+
+DEFAULT_COSTS = SwitchCosts.from_reconfig(DEFAULT_RECONFIG, DEFAULT_RECONFIG.weight_sync_s)

@@ -16,6 +16,7 @@ from pearl.controlplane.store.db import transaction
 from pearl.controlplane.store.queries import query
 from pearl.controlplane.store.schema import Agent, Node, Worker
 from sqlalchemy import Engine, func, select, text, update
+from sqlalchemy.orm import Session
 
 
 @dataclass(frozen=True)
@@ -64,3 +65,16 @@ def hold_leader_lease(engine: Engine, name: str, holder: str, ttl_s: float) -> b
     with transaction(engine) as session:
         row = session.execute(query("hold_leader_lease"), {"name": name, "holder": holder, "ttl_s": ttl_s}).first()
         return row is not None
+
+
+def release_leader_lease(engine: Engine, name: str, holder: str) -> None:
+    """Give leadership `name` up at once (a clean exit), if `holder` has it."""
+    with transaction(engine) as session:
+        session.execute(text("UPDATE leader_leases SET expires_at = pearl_now() WHERE name = :n AND holder = :h"),
+                        {"n": name, "h": holder})
+
+
+def leader(session: Session, name: str) -> str | None:
+    """Who holds leadership `name` now (None: nobody, or the lease ran out)."""
+    return session.scalar(text("SELECT holder FROM leader_leases WHERE name = :n AND expires_at > pearl_now()"),
+                          {"n": name})

@@ -13,7 +13,7 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from pearl.controlplane.errors import ClaimLost, DatabaseUnavailable, IllegalTransition, PearlError
+from pearl.controlplane.errors import BadInput, ClaimLost, DatabaseUnavailable, IllegalTransition, PearlError
 from pearl.controlplane.services.embedded import database_url
 from pearl.controlplane.services.settings import redact_url
 from sqlalchemy import Engine, create_engine, text
@@ -27,6 +27,16 @@ ILLEGAL_TRANSITION = "PX001"
 INVARIANT_VIOLATION = "PX002"
 APPEND_ONLY = "PX003"
 STALE_FENCE = "PX004"  # 0004: an effect under an older claim's fence than the worker's last
+BAD_EVENT = "PX005"  # 0005: an event the trainer, the rollout or the provider reported is refused
+# CHECK constraints of what the trainer and the rollout report: bad input naming the field.
+EVENT_CONSTRAINTS = {
+    "ck_rollout_progress_step_non_negative": "step: must be >= 0",
+    "ck_rollout_progress_batch_size_positive": "batch_size: must be > 0",
+    "ck_rollout_progress_finished_within_batch": "finished: must be between 0 and the step's batch size",
+    "ck_training_steps_step_non_negative": "step: must be >= 0",
+    "ck_training_steps_weights_version_non_negative": "weights_version: must be >= 0",
+    "ck_training_steps_times_in_order": "step: its begin, start and end times must be in order",
+}
 _CONNECT_TIMEOUT_S = 5
 # The CHECK constraints that spell the state machine out: violating one is an illegal transition.
 # Any other CHECK (a count, an index, a distance) is plain invalid data.
@@ -73,8 +83,12 @@ def translate(exc: DBAPIError, engine: Engine | None = None) -> PearlError | Non
         return IllegalTransition(diag.message_primary if diag else str(orig))
     if state == STALE_FENCE:
         return ClaimLost(diag.message_primary if diag else str(orig))
+    if state == BAD_EVENT:
+        return BadInput(diag.message_primary if diag else str(orig))
     if state == "23514":  # check_violation
         name = diag.constraint_name if diag else None
+        if name in EVENT_CONSTRAINTS:
+            return BadInput(f"{EVENT_CONSTRAINTS[name]} (refused by {name})")
         message = f"refused by constraint {name}: {diag.message_primary if diag else orig}"
         return IllegalTransition(message) if name in STATE_CONSTRAINTS else PearlError(message)
     if engine is not None and _is_connection_failure(exc):

@@ -2,6 +2,8 @@
 
 One pass, in one transaction under an advisory lock (two passes never interleave; each is safe to
 repeat), taking the fleet row first as every writer does:
+0. revoke the preemptible GPUs whose notice ran out (`signals.enforce_deadlines`), and start a
+   training step whose borrowed GPUs are all back (`signals.start_training_if_returned`);
 1. rescue expired claims (`rescue_expired_steps`): back to ready for another attempt, failed after
    the last one, cancelled when their plan no longer applies;
 2. reconcile the applying plan: a step failed (by the rescue or a report) fails it, cancels its steps
@@ -19,7 +21,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from pearl.controlplane.core.domain import Activity, PlanStatus
-from pearl.controlplane.store import plan_store
+from pearl.controlplane.store import plan_store, signals
 from pearl.controlplane.store.db import transaction
 from pearl.controlplane.store.queries import query
 from pearl.controlplane.store.schema import Agent, Plan, Worker
@@ -38,17 +40,20 @@ class ReapReport:
     finished_plans: tuple[int, ...] = ()
     silent_agents: tuple[int, ...] = ()
     unreachable_workers: tuple[int, ...] = ()
+    revoked_gpus: tuple[int, ...] = ()  # preemptible GPUs whose notice ran out
+    training_started: int | None = None  # a training step whose borrowed GPUs were all back
 
     def to_dict(self) -> dict[str, object]:
         return {"rescued": [{"step": s, "status": st} for s, st in self.rescued],
                 "failed_plans": [{"plan": p, "cleanup": c} for p, c in self.failed_plans],
                 "finished_plans": list(self.finished_plans), "silent_agents": list(self.silent_agents),
-                "unreachable_workers": list(self.unreachable_workers)}
+                "unreachable_workers": list(self.unreachable_workers), "revoked_gpus": list(self.revoked_gpus),
+                "training_started": self.training_started}
 
     @property
     def empty(self) -> bool:
         return not (self.rescued or self.failed_plans or self.finished_plans or self.silent_agents
-                    or self.unreachable_workers)
+                    or self.unreachable_workers or self.revoked_gpus or self.training_started is not None)
 
 
 def reap(engine: Engine, *, max_attempts: int = DEFAULT_MAX_ATTEMPTS,
@@ -60,6 +65,8 @@ def reap(engine: Engine, *, max_attempts: int = DEFAULT_MAX_ATTEMPTS,
         if now is not None:
             session.execute(text("SELECT set_config('pearl.now', :t, true)"), {"t": now.isoformat()})
         lock_fleet(session)
+        revoked = signals.enforce_deadlines(session)
+        started = signals.start_training_if_returned(session)
         rescued = session.execute(query("rescue_expired_steps"), {"max_attempts": max_attempts}).all()
         failed, finished = [], []
         for plan_id in session.scalars(select(Plan.id).where(Plan.status == PlanStatus.APPLYING)).all():
@@ -83,5 +90,5 @@ def reap(engine: Engine, *, max_attempts: int = DEFAULT_MAX_ATTEMPTS,
         return ReapReport(
             rescued=tuple((r.id, r.status) for r in rescued), failed_plans=tuple(failed),
             finished_plans=tuple(finished), silent_agents=tuple(a.id for a in silent),
-            unreachable_workers=tuple(sorted(unreachable)),
+            unreachable_workers=tuple(sorted(unreachable)), revoked_gpus=tuple(revoked), training_started=started,
         )

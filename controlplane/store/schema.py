@@ -1,6 +1,6 @@
 """The control-plane database: SQLAlchemy 2 typed ORM of the unified GPU-worker-role state.
 
-The tables here and migrations `0001_initial` .. `0004_step_protocol` match exactly (`alembic check`).
+The tables here and migrations `0001_initial` .. `0005_live_signals` match exactly (`alembic check`).
 What the ORM cannot express lives in the migration's SQL: the transition trigger (edges are rows of
 `gpu_transitions` and `worker_transitions`), the deferred check that a serving worker holds exactly
 its slot's GPUs, the `state_version` bump, the append-only `events` written by triggers, and the views.
@@ -214,12 +214,22 @@ class Lease(Base):
     training_step: Mapped[int | None] = mapped_column(BigInteger)  # borrowed: the step it must be back for
     returned_at: Mapped[datetime | None] = mapped_column(TS)
     late_s: Mapped[float | None] = mapped_column(Double)  # seconds past the deadline it came back (0: on time)
+    active_at: Mapped[datetime | None] = mapped_column(TS)  # borrowed: its worker was admitted (0005)
+    return_began_at: Mapped[datetime | None] = mapped_column(TS)  # borrowed: its worker's return began (0005)
 
 
 class TrainingStep(Base):
-    """One optimizer step of the trainer, as its events report it."""
+    """One optimizer step of the trainer, as its events report it. A new step is numbered after the
+    latest and begins only once every earlier one ended (0005, trigger)."""
 
     __tablename__ = "training_steps"
+    __table_args__ = (
+        CheckConstraint("step >= 0", name="step_non_negative"),
+        CheckConstraint("weights_version IS NULL OR weights_version >= 0", name="weights_version_non_negative"),
+        CheckConstraint("(started_at IS NULL OR requested_at IS NULL OR started_at >= requested_at) "
+                        "AND (ended_at IS NULL OR started_at IS NULL OR ended_at >= started_at)",
+                        name="times_in_order"),
+    )
 
     step: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)
     requested_at: Mapped[datetime | None] = mapped_column(TS)  # training-begin received
@@ -228,6 +238,25 @@ class TrainingStep(Base):
     weights_version: Mapped[int | None] = mapped_column(BigInteger)
     snapshot: Mapped[str | None] = mapped_column(Text)  # URI of the weights it produced
     late_s: Mapped[float | None] = mapped_column(Double)  # how long late returns delayed it
+
+
+class RolloutProgress(Base):
+    """How many trajectories of a rollout step have finished: the live R of the borrowing gate (0005).
+    Its batch size never changes and its count never goes down (trigger)."""
+
+    __tablename__ = "rollout_progress"
+    __table_args__ = (
+        CheckConstraint("step >= 0", name="step_non_negative"),
+        CheckConstraint("batch_size > 0", name="batch_size_positive"),
+        CheckConstraint("finished >= 0 AND finished <= batch_size", name="finished_within_batch"),
+    )
+
+    step: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)
+    batch_size: Mapped[int] = mapped_column(Integer)
+    finished: Mapped[int] = mapped_column(Integer, server_default=text("0"))
+    began_at: Mapped[datetime] = mapped_column(TS, server_default=NOW)
+    updated_at: Mapped[datetime] = mapped_column(TS, server_default=NOW)
+    ended_at: Mapped[datetime | None] = mapped_column(TS)  # every trajectory finished
 
 
 class Telemetry(Base):

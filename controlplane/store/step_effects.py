@@ -29,9 +29,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pearl.controlplane.core.domain import Activity, GPUState, PlanStatus, Role, StepAction
+from pearl.controlplane.core.domain import Activity, GPUState, PlanStatus, Role, StepAction, WorkerZone
 from pearl.controlplane.errors import BadInput, ClaimLost, PearlError
-from pearl.controlplane.store import transitions
+from pearl.controlplane.store import signals, transitions
 from pearl.controlplane.store.queries import query
 from pearl.controlplane.store.schema import GPU, Router, TrainingStep, Worker
 from sqlalchemy import func, select, update
@@ -107,6 +107,8 @@ def begin(session: Session, step: ClaimedStep) -> None:
         role = Role(step.args["role"])
         if w.activity is Activity.INACTIVE:
             transitions.start_worker(session, w.id, role)
+            if w.zone is WorkerZone.OVERLAP:
+                signals.open_borrow_leases(session, w.id)
         elif w.role is not role or w.activity is not Activity.TRANSITIONING:
             raise EffectMissing(f"step {step.key}: worker {w.id} is {w.activity} as {w.role}, cannot start as {role}")
     else:
@@ -123,6 +125,8 @@ def end(session: Session, step: ClaimedStep, *, endpoint: str | None = None,
     if a is StepAction.RELEASE:
         if w.activity is not Activity.INACTIVE:
             transitions.finish_release(session, w.id)
+            if w.zone is WorkerZone.OVERLAP:
+                signals.borrowed_worker_returned(session, w.id, step.plan_id)
     elif a is StepAction.START:
         if endpoint is None:
             raise BadInput(f"step {step.key}: a start reports the server's endpoint")
@@ -136,6 +140,8 @@ def end(session: Session, step: ClaimedStep, *, endpoint: str | None = None,
     elif a is StepAction.ADMIT:
         if w.activity is Activity.TRANSITIONING:
             transitions.set_activity(session, w.id, Activity.TRANSITIONING, Activity.ACTIVE)
+            if w.zone is WorkerZone.OVERLAP:
+                signals.borrowed_worker_admitted(session, w.id)
     elif a is StepAction.FLIP_ROLE:
         role = Role(step.args["role"])
         if w.role is not role:

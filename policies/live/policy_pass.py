@@ -18,13 +18,15 @@ so the memory's profile is replaced by the stored one and its `fitted_step` set 
 ingested: no step is folded twice.
 
 Signals (policies/base.py) as the rows know them: `now` and deadlines in seconds since the
-inventory was imported; `training` while the latest optimizer step has started and not ended,
-`training_wanted` while it is requested and not started (the trainer waits for borrowed GPUs);
-deadlines of preemptible GPUs under a revocation notice, per worker slot; the latest telemetry;
-the batch size of the inventory's workload (else the profile's); the remaining fraction 1.0
-(unknown live: the whole step); measured step durations (latest succeeded step per action, as
-the simulator reports them); the weights version; the plans applying; the last optimizer step's
-length. Borrow cycles are not measured here yet: the toggle cost stays the configured prior.
+inventory was imported (the database's clock); `training` while the latest optimizer step has
+started and not ended, `training_wanted` while it is requested and not started (the trainer waits for
+borrowed GPUs); deadlines of preemptible GPUs under a revocation notice, per worker slot; the
+latest telemetry; the rollout step under way and its unfinished trajectories R from
+`rollout_progress` (before any report: the whole next step, B of the inventory's workload, else
+the profile's); the borrow cycles measured (`borrow_cycles`: activation plus return, for the
+gate's T_toggle); measured step durations (latest succeeded step per action, as the simulator
+reports them, for the switch costs); the weights version; the plans applying; the last optimizer
+step's length.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from pearl.controlplane.core.fleet import FleetSnapshot
 from pearl.controlplane.core.inventory import Inventory
 from pearl.controlplane.core.orchestrator import orchestrate
 from pearl.controlplane.core.selector import Selection
-from pearl.controlplane.core.switching import SwitchCosts
+from pearl.controlplane.core.switching import DEFAULT_RECONFIG, ReconfigCosts, SwitchCosts
 from pearl.controlplane.core.telemetry import StepTelemetry, parse_telemetry
 from pearl.controlplane.errors import BadInput, StalePlan
 from pearl.controlplane.store.db import transaction
@@ -52,7 +54,7 @@ from pearl.controlplane.store.plan_store import (
     write_plan,
 )
 from pearl.controlplane.store.profile_store import StoredProfile, fleet_inventory, fleet_key, load_profile
-from pearl.controlplane.store.schema import Fleet, PolicyMemory, Telemetry, TrainingStep, Worker
+from pearl.controlplane.store.schema import Fleet, PolicyMemory, RolloutProgress, Telemetry, TrainingStep, Worker
 from pearl.controlplane.store.schema import Plan as PlanRow
 from pearl.controlplane.store.schema import PlanStep as StepRow
 from pearl.controlplane.store.snapshot import load_snapshot, revocation_notices
@@ -61,36 +63,22 @@ from pearl.policies.base import Signals
 from pearl.policies.borrowing import GateDecision, borrowable, toggle_cost_prior
 from pearl.policies.elasticity import dedicated_capacity
 from pearl.policies.pearl import PearlMemory, PearlPolicy
-from sqlalchemy import Engine, func, select
+from sqlalchemy import Engine, func, select, text
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 
 POLICY = "pearl"
+TOGGLE_HISTORY = 8  # measured borrow cycles the signals carry (the policy folds in the new ones)
 
 
-@dataclass(frozen=True)
-class ReconfigCosts:
-    """Reconfiguration costs before any is measured: the paper's figures (docs/formats.md `reconfig`,
-    docs/method.md: activation ~6 s, return 3-4 s, inter-scale preparation ~60 s plus ~12 s to admit)."""
-
-    cold_start_s: float = 60.0
-    admit_s: float = 12.0
-    role_switch_s: float = 8.0
-    toggle_on_s: float = 6.0
-    toggle_off_s: float = 3.5
-
-
-LIVE_RECONFIG = ReconfigCosts()
-WEIGHT_SYNC_S = 2.0  # loading a weight snapshot into a running server (docs/formats.md `training.weight_sync_s`)
-
-
-def live_policy(profile: StoredProfile) -> PearlPolicy:
-    """The PEARL policy with the stored profile as its prior and the configured costs."""
-    r = LIVE_RECONFIG
+def live_policy(profile: StoredProfile, reconfig: ReconfigCosts = DEFAULT_RECONFIG) -> PearlPolicy:
+    """The PEARL policy with the stored profile as its prior and the actuators' costs before any is
+    measured (one source with the selector's defaults: `switching.DEFAULT_RECONFIG`)."""
+    r = reconfig
     return PearlPolicy(
         prior=profile.profile,
-        toggle_prior=toggle_cost_prior(r.toggle_on_s, r.toggle_off_s, WEIGHT_SYNC_S),
-        costs_prior=SwitchCosts.from_reconfig(r, WEIGHT_SYNC_S),
+        toggle_prior=toggle_cost_prior(r.toggle_on_s, r.toggle_off_s, r.weight_sync_s),
+        costs_prior=SwitchCosts.from_reconfig(r, r.weight_sync_s),
         name=POLICY,
     )
 
@@ -233,7 +221,7 @@ def signals_dict(s: Signals) -> dict[str, Any]:
 
 def live_signals(session: Session, snapshot: FleetSnapshot, batch_size: int, event: str) -> Signals:
     """The signals of the module docstring, read in the caller's transaction."""
-    fleet_row = session.execute(select(Fleet.imported_at, func.now()).where(Fleet.id == 1)).one()
+    fleet_row = session.execute(select(Fleet.imported_at, func.pearl_now()).where(Fleet.id == 1)).one()
     origin: datetime = fleet_row[0] or fleet_row[1]
 
     def since(ts: datetime) -> float:
@@ -254,12 +242,22 @@ def live_signals(session: Session, snapshot: FleetSnapshot, batch_size: int, eve
     weights = session.scalar(select(func.max(TrainingStep.weights_version)))
     if weights is None:
         weights = session.scalar(select(func.max(Worker.weights_version))) or 0
+    progress = session.scalars(select(RolloutProgress).order_by(RolloutProgress.step.desc()).limit(1)).first()
+    if progress is not None:  # the step under way and its unfinished trajectories, as the rollout reports them
+        rollout_step, batch_size = progress.step, progress.batch_size
+        remaining = progress.batch_size - progress.finished
+    else:  # nothing reported yet: the whole of the next step is ahead
+        rollout_step = telemetry.step + 1 if telemetry is not None else 0
+        remaining = batch_size
+    cycles = borrow_cycle_costs(session)
     return Signals(
         now=since(fleet_row[1]),
         event=event,
-        rollout_step=telemetry.step + 1 if telemetry is not None else 0,
+        rollout_step=rollout_step,
         batch_size=batch_size,
-        remaining=batch_size,  # unknown live: the whole step (remaining fraction 1.0)
+        remaining=remaining,
+        toggle_costs=tuple(cycles[-TOGGLE_HISTORY:]),
+        toggle_cycles=len(cycles),
         training=running,
         training_wanted=wanted,
         deadlines={slot: since(deadline) for slot, deadline in notices.items()},
@@ -269,6 +267,14 @@ def live_signals(session: Session, snapshot: FleetSnapshot, batch_size: int, eve
         plans_in_flight=session.scalar(select(func.count()).where(PlanRow.status == PlanStatus.APPLYING)) or 0,
         last_training_s=(ended.ended_at - ended.started_at).total_seconds() if ended is not None else None,
     )
+
+
+def borrow_cycle_costs(session: Session) -> list[float]:
+    """Activation plus return (seconds) of every borrow cycle measured, oldest first (`borrow_cycles`)."""
+    rows = session.execute(text(
+        "SELECT activation_s + return_s FROM borrow_cycles "
+        "WHERE activation_s IS NOT NULL AND return_s IS NOT NULL ORDER BY returned_at")).scalars().all()
+    return [float(x) for x in rows if x is not None and x >= 0]
 
 
 def latest_telemetry(session: Session) -> StepTelemetry | None:
@@ -335,16 +341,20 @@ def decide(session: Session, *, event: str = "plan") -> Planned:
                    seen.gate, after, note, seen.verdict, _memory_mark(session))
 
 
-def plan(engine: Engine, *, dry_run: bool = False, event: str = "plan", actor: str = "pearlctl plan") -> Planned:
-    """One pass of the policy engine (module docstring); with `dry_run` nothing is written."""
+def plan(engine: Engine, *, dry_run: bool = False, event: str = "plan", actor: str = "pearlctl plan",
+         record_unchanged: bool = True) -> Planned:
+    """One pass of the policy engine (module docstring); with `dry_run` nothing is written. Without
+    `record_unchanged` a pass that changes nothing writes no decision row (only the policy's memory,
+    when it changed): the loop decides on every signal, and `decisions` keeps the switches."""
     with transaction(engine, isolation_level="REPEATABLE READ") as session:
         planned = decide(session, event=event)
     if dry_run:
         return planned
-    return write_planned(engine, planned, actor=actor)
+    return write_planned(engine, planned, actor=actor, record_unchanged=record_unchanged)
 
 
-def write_planned(engine: Engine, planned: Planned, *, actor: str = "pearlctl plan") -> Planned:
+def write_planned(engine: Engine, planned: Planned, *, actor: str = "pearlctl plan",
+                  record_unchanged: bool = True) -> Planned:
     """Write what `decide` decided, unless the fleet or the stored memory moved on since it read
     them: then nothing is written and StalePlan says why."""
     with transaction(engine, actor=actor, reason=planned.target.reason[:500]) as session:
@@ -356,16 +366,25 @@ def write_planned(engine: Engine, planned: Planned, *, actor: str = "pearlctl pl
         if mark != planned.memory_seen:
             raise StalePlan(f"another planning pass wrote the policy's memory meanwhile (decision "
                             f"{mark.decision_id if mark else None}); nothing was written; run `pearlctl plan` again")
+        memory = json_safe(planned.memory.to_dict())
+        if planned.plan.empty and not record_unchanged:
+            stored = session.get(PolicyMemory, POLICY)
+            if stored is None or stored.memory != memory:
+                _store_memory(session, memory, stored.decision_id if stored is not None else None)
+            return planned
         decision_id = write_decision(session, planned.record())
         plan_id = write_plan(session, planned.plan, decision_id)
-        memory = json_safe(planned.memory.to_dict())
-        session.execute(
-            insert(PolicyMemory)
-            .values(policy=POLICY, memory=memory, decision_id=decision_id)
-            .on_conflict_do_update(index_elements=[PolicyMemory.policy],
-                                   set_={"memory": memory, "decision_id": decision_id, "updated_at": func.now()})
-        )
+        _store_memory(session, memory, decision_id)
     return replace(planned, decision_id=decision_id, plan_id=plan_id)
+
+
+def _store_memory(session: Session, memory: dict[str, Any], decision_id: int | None) -> None:
+    session.execute(
+        insert(PolicyMemory)
+        .values(policy=POLICY, memory=memory, decision_id=decision_id)
+        .on_conflict_do_update(index_elements=[PolicyMemory.policy],
+                               set_={"memory": memory, "decision_id": decision_id, "updated_at": func.now()})
+    )
 
 
 def written_plan(engine: Engine, planned: Planned) -> dict[str, Any] | None:

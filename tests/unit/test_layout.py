@@ -4,6 +4,7 @@
     controlplane/services  settings and the embedded servers: imports no other part
     controlplane/measure   torch kernel timing: imports the core only
     controlplane/store     PostgreSQL: imports the core and the services, never the policies or above
+    controlplane/api.py    the Python API for trainers and providers: over the store
     policies/              pure policies over the core (no clock, filesystem, randomness or I/O)
     policies/live/         the adapters that run the policies against the store
     agents/, cli/          reach the database only through the store (no SQL driver of their own)
@@ -32,6 +33,7 @@ OTHER_PARTS = ("pearl.controlplane.store", "pearl.controlplane.services", "pearl
 
 # folder -> imports it must not make
 RULES: dict[str, tuple[str, ...]] = {
+    "controlplane": ("pearl.policies", "pearl.sim", "pearl.cli", "pearl.agents", "pearl.controlplane.measure"),
     "controlplane/core": OTHER_PARTS + NETWORK_AND_DB,
     "controlplane/services": ("pearl.controlplane.core", "pearl.controlplane.store", "pearl.controlplane.measure",
                               "pearl.policies", "pearl.sim", "pearl.cli", "pearl.agents"),
@@ -87,7 +89,7 @@ def test_every_part_has_modules_and_the_old_flat_names_are_gone():
     for folder in RULES:
         assert _modules(folder), folder
     flat = sorted(p.name for p in (REPO / "controlplane").glob("*.py"))
-    assert flat == ["__init__.py", "errors.py"], flat  # controlplane/ holds only its parts and the errors
+    assert flat == ["__init__.py", "api.py", "errors.py"], flat  # its parts, the errors and the Python API
 
 
 def test_the_core_loads_no_io_module_when_imported():

@@ -1,0 +1,37 @@
+"""Wake-ups by LISTEN/NOTIFY: a hint that rows changed, never the truth (the readers poll too).
+
+Channels: `pearl_steps` (payload: the node id whose step became ready), `pearl_plans` ("<plan
+id>:<status>"), `pearl_signals` (the table the trainer, the rollout or the provider wrote to).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable
+
+import psycopg
+from sqlalchemy import Engine
+
+log = logging.getLogger("pearl.notifications")
+
+
+def listen(engine: Engine, channels: Iterable[str], on_notify: Callable[[str, str], None],
+           stop: threading.Event) -> None:
+    """Call `on_notify(channel, payload)` for each notification until `stop` is set; reconnects with
+    backoff when the connection drops (run it in a thread of its own)."""
+    url = engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
+    backoff = 0.5
+    while not stop.is_set():
+        try:
+            with psycopg.connect(url, autocommit=True, connect_timeout=5) as conn:
+                for channel in channels:
+                    conn.execute(f"LISTEN {channel}")
+                backoff = 0.5
+                while not stop.is_set():
+                    for note in conn.notifies(timeout=1.0):
+                        on_notify(note.channel, note.payload)
+        except psycopg.Error as exc:
+            log.debug("listener: %s", exc)
+            stop.wait(backoff)
+            backoff = min(backoff * 2, 10.0)

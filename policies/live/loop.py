@@ -1,0 +1,106 @@
+"""The policy loop (`pearlctl loop`): a long-running leader that runs a policy pass (`tick`) whenever
+the trainer, the rollout or the provider reports something, and at least every `interval_s`.
+
+Leadership is the `policy` leader lease, renewed at every pass and wait; when the leader dies
+(SIGKILL, a lost machine) another copy takes over once the lease runs out (`lease_s`). Wake-ups come
+by NOTIFY (`pearl_signals`: training steps, rollout progress, telemetry, notices; `pearl_plans`: a
+plan finished), coalesced so that a burst of reports makes one pass; polling on the interval stays
+the truth. SIGTERM: the lease is given up at once (a follower takes over within its poll) and the
+loop exits 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+from pearl.controlplane.errors import DatabaseUnavailable, PearlError
+from pearl.controlplane.store import agent_registry
+from pearl.controlplane.store.notifications import listen
+from pearl.policies.live.tick import LEADER, TickResult, default_holder, tick
+from sqlalchemy import Engine
+
+log = logging.getLogger("pearl.loop")
+
+_EVENTS = {"training_steps": "training", "rollout_progress": "rollout", "telemetry": "telemetry",
+           "leases": "notice", "succeeded": "plan_done", "failed": "plan_failed"}
+
+
+@dataclass(frozen=True)
+class LoopConfig:
+    interval_s: float = 10.0  # a pass at least this often
+    lease_s: float = 15.0  # leadership lapses this long after the leader's last renewal
+    manual: bool = False  # borrowing and PD changes wait for `pearlctl apply`
+    min_gap_s: float = 0.2  # passes are at least this far apart (a burst of reports makes one)
+
+
+class PolicyLoop:
+    def __init__(self, engine: Engine, config: LoopConfig, holder: str | None = None) -> None:
+        self.engine = engine
+        self.config = config
+        self.holder = holder or default_holder("loop")
+        self.passes = 0
+        self.leading = False
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._lock = threading.Lock()
+        self._events: list[str] = []
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+
+    def run(self) -> None:
+        c = self.config
+        listener = threading.Thread(target=self._listen, name="loop-listen", daemon=True)
+        listener.start()
+        log.info("policy loop %s started (interval %.1f s, lease %.1f s%s)", self.holder, c.interval_s, c.lease_s,
+                 ", manual" if c.manual else "", extra={"action": "start_loop"})
+        try:
+            while not self._stop.is_set():
+                started = time.monotonic()
+                try:
+                    self._pass()
+                except DatabaseUnavailable as exc:
+                    log.warning("database unavailable: %s", exc, extra={"action": "database_unavailable"})
+                except PearlError as exc:
+                    log.warning("pass failed: %s", exc, extra={"action": "tick_failed"})
+                # renew well within the lease even when nothing happens
+                wait = min(c.interval_s, c.lease_s / 3)
+                self._wake.wait(wait)
+                self._wake.clear()
+                gap = c.min_gap_s - (time.monotonic() - started)
+                if gap > 0 and not self._stop.is_set():
+                    self._stop.wait(gap)
+        finally:
+            try:
+                agent_registry.release_leader_lease(self.engine, LEADER, self.holder)
+            except PearlError as exc:
+                log.warning("could not give the lease up: %s", exc)
+            log.info("policy loop %s stopped", self.holder, extra={"action": "stop_loop"})
+
+    def _pass(self) -> TickResult | None:
+        with self._lock:
+            events, self._events = self._events, []
+        result = tick(self.engine, holder=self.holder, manual=self.config.manual, lease_s=self.config.lease_s,
+                      event=",".join(dict.fromkeys(events)) or "interval", keep_lease=True)
+        leading = result.leading
+        if leading != self.leading:
+            log.info("%s the policy loop", "leading" if leading else "following", extra={"action": "leadership"})
+            self.leading = leading
+        if leading:
+            self.passes += 1
+        if result.ran or result.aborted is not None:
+            log.info("pass: %s", result.note, extra={"action": "tick", "plan": result.plan})
+        return result
+
+    def _listen(self) -> None:
+        def woken(channel: str, payload: str) -> None:
+            kind = payload.split(":")[-1] if channel == "pearl_plans" else payload
+            with self._lock:
+                self._events.append(_EVENTS.get(kind, kind))
+            self._wake.set()
+
+        listen(self.engine, ("pearl_signals", "pearl_plans"), woken, self._stop)

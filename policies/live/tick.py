@@ -1,0 +1,168 @@
+"""One policy pass for cron or the loop: observe -> decide -> plan -> apply what policy allows.
+
+Safe at any rate and with several copies at once:
+- leadership: a pass runs only while its holder holds the `policy` leader lease (a `pearlctl loop`
+  leading elsewhere turns a cron `pearlctl tick` into a no-op; a cron tick holds the lease only for
+  its pass);
+- one pass per observed state: the pass first records a `ticks` row keyed by the fleet's
+  state_version and a digest of the signals it will decide on; a second pass on the same state
+  finds the key taken and plans nothing;
+- the plan write itself refuses a fleet that moved or a policy memory another pass wrote meanwhile
+  (`policy_pass.write_planned`: StalePlan), so two passes never plan on one state.
+
+Each pass first runs the reaper (deadlines, rescues, a training step whose GPUs are back), then:
+- while a plan applies, it waits for it, unless something urgent is not covered by it: a worker on
+  GPUs the trainer wants back, or under a revocation notice, that the applying plan does not
+  release. Then the applying plan is aborted (its cleanup plan releases what it left between
+  states) so that the return can be planned at once. A cleanup plan is never aborted.
+- otherwise it decides (the PEARL policy, the same code the simulator runs) and writes the plan;
+  then applies it: always when it returns GPUs the trainer wants or a notice reclaims; borrowing and
+  PD changes too, unless `manual` (they then wait, proposed, for `pearlctl apply`). Borrowing and PD
+  changes were already gated by the policy (the borrowing gate, the switching hysteresis).
+A pass that changes nothing writes no decision row; every plan it writes has one, with the inputs
+that drove it (`decisions.inputs`: the ranked candidates, the gate, the signals, the profile).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+from pearl.controlplane.core.domain import Activity, GPUState, NodeZone, PlanStatus, StepAction, StepStatus, WorkerZone
+from pearl.controlplane.errors import PearlError, StalePlan
+from pearl.controlplane.store import agent_registry, plan_store, reaper
+from pearl.controlplane.store.db import transaction
+from pearl.controlplane.store.schema import GPU, Lease, Plan, PlanStep, Tick, TrainingStep, Worker
+from pearl.policies.live import policy_pass
+from sqlalchemy import Engine, func, select, update
+from sqlalchemy.dialects.postgresql import insert
+from sqlalchemy.orm import Session
+
+LEADER = "policy"  # the leader lease of the policy loop
+
+
+@dataclass(frozen=True)
+class TickResult:
+    ran: bool  # a decision was made
+    note: str  # what happened, in words
+    tick_id: int | None = None
+    key: str | None = None
+    decision: dict[str, Any] | None = None  # what was decided and why (None: no pass ran)
+    plan: int | None = None  # the plan written
+    applied: bool = False
+    aborted: int | None = None  # a plan given up for an urgent return
+    leading: bool = True  # the pass held the leader lease (False: another process leads)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"decision": self.decision, "plan": self.plan, "applied": self.applied, "aborted": self.aborted,
+                "tick": self.tick_id, "key": self.key, "leading": self.leading, "note": self.note}
+
+
+def default_holder(kind: str = "tick") -> str:
+    return f"{kind}:{socket.gethostname()}:{os.getpid()}"
+
+
+def tick(engine: Engine, *, holder: str | None = None, manual: bool = False, lease_s: float = 30.0,
+         event: str = "tick", keep_lease: bool = False) -> TickResult:
+    """One pass (module docstring). `keep_lease`: the caller (the loop) holds the lease between passes."""
+    holder = holder or default_holder()
+    if not agent_registry.hold_leader_lease(engine, LEADER, holder, ttl_s=lease_s):
+        return TickResult(False, f"another process leads the policy loop ({_leader(engine)}); nothing to do",
+                          leading=False)
+    try:
+        return _pass(engine, holder=holder, manual=manual, event=event)
+    finally:
+        if not keep_lease:
+            agent_registry.release_leader_lease(engine, LEADER, holder)
+
+
+def _leader(engine: Engine) -> str:
+    with transaction(engine) as session:
+        return agent_registry.leader(session, LEADER) or "nobody"
+
+
+def _pass(engine: Engine, *, holder: str, manual: bool, event: str) -> TickResult:
+    reaper.reap(engine, actor=f"reaper in {holder}")
+    with transaction(engine, isolation_level="REPEATABLE READ") as session:
+        applying = session.scalars(select(Plan).where(Plan.status == PlanStatus.APPLYING)).first()
+        urgent = must_leave(session)
+        uncovered = urgent - _released_by(session, applying.id) if applying is not None else set()
+        cleanup = applying is not None and applying.cleans_up is not None
+    if applying is not None:
+        if not uncovered or cleanup:
+            return TickResult(False, f"plan {applying.id} is applying; the next pass decides after it")
+        progress = plan_store.abort(engine, applying.id, actor=f"{holder}: workers {sorted(uncovered)} must leave")
+        return TickResult(False, f"aborted plan {applying.id}: workers {sorted(uncovered)} must give their GPUs "
+                                 f"back and it does not release them"
+                                 + (f"; cleanup plan {progress.cleanup} applies" if progress.cleanup else ""),
+                          aborted=applying.id, plan=progress.cleanup, applied=progress.cleanup is not None)
+    with transaction(engine, isolation_level="REPEATABLE READ") as session:
+        planned = policy_pass.decide(session, event=event)
+    key = f"v{planned.snapshot.state_version}:{_digest(planned)}"
+    with transaction(engine, actor=holder) as session:
+        tick_id = session.scalar(insert(Tick).values(key=key, holder=holder).on_conflict_do_nothing()
+                                 .returning(Tick.id))
+    if tick_id is None:
+        return TickResult(False, f"this state was decided already (tick {key})", key=key)
+    try:
+        planned = policy_pass.write_planned(engine, planned, actor=holder, record_unchanged=False)
+    except StalePlan as exc:
+        _finish(engine, tick_id, error=str(exc))
+        return TickResult(False, f"the fleet moved while deciding; the next pass decides again ({exc})",
+                          tick_id, key)
+    decision = planned.as_dict()["decision"]
+    applied, note = False, f"no change: {planned.target.reason}"
+    if planned.plan_id is not None:
+        forced = urgent & (planned.plan.remove | set(planned.plan.reassign))
+        note = f"plan {planned.plan_id} written"
+        if not manual or forced:
+            try:
+                plan_store.apply(engine, planned.plan_id, actor=holder)
+                applied, note = True, f"plan {planned.plan_id} applied" + (
+                    f" (urgent: workers {sorted(forced)} must leave)" if forced else "")
+            except PearlError as exc:  # stale by now: the next pass decides again
+                note = f"plan {planned.plan_id} not applied: {exc}"
+        else:
+            note += "; waiting for `pearlctl apply` (manual mode)"
+    _finish(engine, tick_id, decision_id=planned.decision_id, plan_id=planned.plan_id)
+    return TickResult(True, note, tick_id, key, decision, planned.plan_id, applied)
+
+
+def must_leave(session: Session) -> set[int]:
+    """Workers serving on GPUs that must be given back now: borrowed GPUs the trainer wants back (or
+    trains on), and GPUs under a revocation notice."""
+    latest = session.scalars(select(TrainingStep).order_by(TrainingStep.step.desc()).limit(1)).first()
+    trainer_wants = latest is not None and latest.ended_at is None
+    out: set[int] = set()
+    if trainer_wants:
+        out |= set(session.scalars(select(Worker.id).where(Worker.zone == WorkerZone.OVERLAP,
+                                                           Worker.activity != Activity.INACTIVE)))
+    noticed = select(GPU.slot_id).join(Lease, Lease.gpu_id == GPU.id).where(
+        Lease.returned_at.is_(None), Lease.deadline.is_not(None), GPU.zone == NodeZone.PREEMPTIBLE,
+        GPU.state.in_([GPUState.BOUND, GPUState.DRAINING]))
+    out |= set(session.scalars(select(Worker.id).where(Worker.id.in_(noticed), Worker.activity != Activity.INACTIVE)))
+    return out
+
+
+def _released_by(session: Session, plan_id: int) -> set[int]:
+    return set(session.scalars(select(PlanStep.worker_id).where(
+        PlanStep.plan_id == plan_id, PlanStep.action == StepAction.RELEASE,
+        PlanStep.status.in_([StepStatus.BLOCKED, StepStatus.READY, StepStatus.RUNNING, StepStatus.SUCCEEDED]))))
+
+
+def _digest(planned: policy_pass.Planned) -> str:
+    """The signals the pass decides on, without the clock: equal states give equal keys."""
+    signals = {k: v for k, v in policy_pass.signals_dict(planned.signals).items() if k not in ("now", "event")}
+    blob = json.dumps(signals, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def _finish(engine: Engine, tick_id: int, *, decision_id: int | None = None, plan_id: int | None = None,
+            error: str | None = None) -> None:
+    with transaction(engine) as session:
+        session.execute(update(Tick).where(Tick.id == tick_id).values(
+            finished_at=func.now(), decision_id=decision_id, plan_id=plan_id, error=error))

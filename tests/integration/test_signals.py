@@ -1,0 +1,202 @@
+"""What the trainer, the rollout and the provider report: each event as rows, bad ones refused naming
+the field with nothing written (through the Python API, the command line and raw SQL alike)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from pearl.cli.app import app
+from pearl.controlplane.api import ControlPlane, ReturnsLate
+from pearl.controlplane.core.domain import Activity, GPUState, Role
+from pearl.controlplane.core.fleet import Target
+from pearl.controlplane.errors import BadInput
+from pearl.controlplane.store import plan_store, reaper, signals
+from pearl.controlplane.store.db import transaction
+from pearl.controlplane.store.schema import GPU, Lease, RolloutProgress, TrainingStep, Worker
+from plan_support import import_cluster, propose, run_plan, small_inventory
+from sqlalchemy import Engine, func, select, text
+from typer.testing import CliRunner
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def cp(db_engine: Engine) -> Iterator[ControlPlane]:
+    import_cluster(db_engine, small_inventory())
+    yield ControlPlane(engine=db_engine)
+
+
+def gpu_states(engine: Engine, zone: str) -> set[GPUState]:
+    with transaction(engine) as session:
+        return set(session.scalars(select(GPU.state).where(GPU.zone == zone)))
+
+
+def serve(engine: Engine, members: set[int]) -> None:
+    """Plan and enact (as agents with no servers would, on the real clock) a colocated fleet of `members`."""
+    plan_id = propose(engine, Target(frozenset(members), {Role.COLOCATED: len(members)}))
+    plan_store.apply(engine, plan_id)
+    run_plan(engine, datetime.now(UTC))
+
+
+def test_a_training_step_with_nothing_borrowed_starts_at_once_and_ends(cp: ControlPlane) -> None:
+    started = cp.training_begin(3, wait_s=0)
+    assert started.started and started.late_s == 0.0
+    assert gpu_states(cp.engine, "training") == {GPUState.TRAINING}
+    cp.training_end(3, weights_version=1, snapshot="/tmp/w1")
+    assert gpu_states(cp.engine, "training") == {GPUState.FREE}
+    with transaction(cp.engine) as session:
+        row = session.get(TrainingStep, 3)
+        assert row.started_at >= row.requested_at and row.ended_at >= row.started_at and row.weights_version == 1
+    cp.training_end(3, weights_version=1, snapshot="/tmp/w1")  # the same report again changes nothing
+
+
+@pytest.mark.parametrize(("events", "message"), [
+    ([("begin", 2), ("begin", 1)], "step: training step 1 is not after step 2"),
+    ([("begin", 2), ("begin", 3)], "step: training step 3 cannot begin while step 2 has not ended"),
+    ([("end", 4)], "step: training step 4 never began"),
+    ([("begin", -1)], "step: must be an integer >= 0"),
+    ([("begin", 1), ("end1", 1), ("begin", 2), ("end0", 2)], "weights_version: 0 is not newer than 1"),
+], ids=["out-of-order", "overlapping", "end-without-begin", "negative", "weights-backwards"])
+def test_bad_training_events_are_refused_naming_the_field(cp: ControlPlane, events: list, message: str) -> None:
+    *ok, (kind, step) = events
+    for k, s in ok:
+        if k == "begin":
+            cp.training_begin(s, wait_s=0)
+        else:
+            cp.training_end(s, weights_version=int(k[-1]))
+    with transaction(cp.engine) as session:
+        before = session.scalar(select(func.count()).select_from(TrainingStep))
+    with pytest.raises(BadInput, match=message):
+        if kind == "begin":
+            cp.training_begin(step, wait_s=0)
+        else:
+            cp.training_end(step, weights_version=int(kind[-1]) if kind[-1].isdigit() else None)
+    with transaction(cp.engine) as session:
+        assert session.scalar(select(func.count()).select_from(TrainingStep)) == before
+
+
+@pytest.mark.parametrize(("sql", "message"), [
+    ("INSERT INTO training_steps (step, requested_at) VALUES (-1, now())", "step: must be >= 0"),
+    ("INSERT INTO training_steps (step, requested_at) VALUES (5, now()); "
+     "INSERT INTO training_steps (step, requested_at) VALUES (6, now())", "cannot begin while step 5"),
+    ("INSERT INTO rollout_progress (step, batch_size, finished) VALUES (1, 8, 9)", "finished: must be between"),
+    ("INSERT INTO rollout_progress (step, batch_size, finished) VALUES (1, 8, 4); "
+     "UPDATE rollout_progress SET finished = 3 WHERE step = 1", "finished: rollout step 1 had 4"),
+    ("INSERT INTO rollout_progress (step, batch_size) VALUES (1, 0)", "batch_size: must be > 0"),
+], ids=["negative-step", "overlapping-steps", "more-than-the-batch", "count-goes-down", "empty-batch"])
+def test_raw_sql_events_are_validated_by_the_database(cp: ControlPlane, sql: str, message: str) -> None:
+    with pytest.raises(BadInput, match=message):
+        with transaction(cp.engine) as session:
+            for statement in sql.split("; "):
+                session.execute(text(statement))
+
+
+def test_rollout_progress_is_the_live_remaining(cp: ControlPlane) -> None:
+    with pytest.raises(BadInput, match="batch_size: the first report of rollout step 0 names its batch size"):
+        cp.rollout_progress(0, 0)
+    cp.rollout_progress(0, 0, batch_size=8)
+    cp.rollout_progress(0, 5)
+    with pytest.raises(BadInput, match="finished: rollout step 0 had 5 trajectories finished"):
+        cp.rollout_progress(0, 4)
+    with pytest.raises(BadInput, match="batch_size: rollout step 0 has 8 trajectories, not 9"):
+        cp.rollout_progress(0, 6, batch_size=9)
+    cp.rollout_progress(0, 8)
+    with transaction(cp.engine) as session:
+        row = session.get(RolloutProgress, 0)
+        assert row.finished == 8 and row.ended_at is not None
+        from pearl.policies.live.policy_pass import decide
+
+        planned = decide(session)
+    assert (planned.signals.rollout_step, planned.signals.remaining, planned.signals.batch_size) == (0, 0, 8)
+
+
+def test_training_waits_for_borrowed_gpus_and_the_lateness_is_recorded(cp: ControlPlane, clock) -> None:
+    serve(cp.engine, {1, 3})  # overlap worker 1 borrows train-0's GPUs 0, 1
+    assert gpu_states(cp.engine, "training") == {GPUState.BORROWED, GPUState.FREE}
+    with pytest.raises(ReturnsLate, match=r"training step 1: 2 borrowed GPU\(s\) .* not back after 0 s"):
+        cp.training_begin(1, wait_s=0)
+    with transaction(cp.engine) as session:
+        assert session.get(TrainingStep, 1).started_at is None  # it waits for them
+        leases = session.scalars(select(Lease).where(Lease.kind == "borrowed")).all()
+        assert len(leases) == 2 and all(lease.deadline is not None and lease.training_step == 1 for lease in leases)
+    serve(cp.engine, {3})  # the return: worker 1 drains and releases; the step starts with it
+    with transaction(cp.engine) as session:
+        step = session.get(TrainingStep, 1)
+        assert step.started_at is not None and step.late_s > 0
+        leases = session.scalars(select(Lease).where(Lease.kind == "borrowed")).all()
+        assert all(lease.returned_at is not None and lease.late_s > 0 for lease in leases)
+        cycle = session.execute(text("SELECT activation_s, return_s FROM borrow_cycles")).one()
+        assert cycle.activation_s >= 0 and cycle.return_s >= 0
+    assert gpu_states(cp.engine, "training") == {GPUState.TRAINING}
+
+
+def test_a_revocation_notice_then_its_deadline_takes_the_gpus_whatever_holds_them(cp: ControlPlane, clock) -> None:
+    with transaction(cp.engine) as session:
+        spot = session.scalars(select(GPU.id).where(GPU.zone == "preemptible").order_by(GPU.id)).all()
+    assert cp.gpus_granted("spot-0") == spot and gpu_states(cp.engine, "preemptible") == {GPUState.FREE}
+    assert cp.gpus_granted("spot-0") == []  # granted already: nothing new
+    serve(cp.engine, {3, 4})  # worker 4 serves on the spot GPUs
+    cp.gpus_revoked("spot-0", notice_s=30)
+    with transaction(cp.engine) as session:
+        deadlines = session.scalars(select(Lease.deadline).where(Lease.kind == "preemptible")).all()
+        assert len(deadlines) == 2 and all(d is not None for d in deadlines)
+    assert reaper.reap(cp.engine).revoked_gpus == ()  # the notice has not run out
+    swept = reaper.reap(cp.engine, now=max(deadlines) + timedelta(seconds=1))
+    assert len(swept.revoked_gpus) == 2
+    with transaction(cp.engine) as session:
+        w4 = session.get(Worker, 4)
+        assert w4.activity is Activity.INACTIVE and w4.endpoint is None  # out of service at the deadline
+        assert set(session.scalars(select(GPU.state).where(GPU.zone == "preemptible"))) == {GPUState.REVOKED}
+        late = session.scalars(select(Lease.late_s).where(Lease.kind == "preemptible")).all()
+        assert all(x >= 0 for x in late)
+    assert cp.gpus_granted("spot-0", [0]) and gpu_states(cp.engine, "preemptible") == {
+        GPUState.FREE, GPUState.REVOKED}
+
+
+def test_bad_provider_events_are_refused_naming_the_option(cp: ControlPlane) -> None:
+    with pytest.raises(BadInput, match="--node: train-0 is a training node"):
+        cp.gpus_granted("train-0")
+    with pytest.raises(BadInput, match="--node: no node named 'nope'"):
+        cp.gpus_revoked("nope")
+    with pytest.raises(BadInput, match=r"--gpus: spot-0 has no device \[7\]"):
+        cp.gpus_granted("spot-0", [7])
+    with pytest.raises(BadInput, match="--gpus: devices .* are not granted"):
+        cp.gpus_revoked("spot-0", [0], notice_s=5)
+    with pytest.raises(BadInput, match="--notice-s: must be a number of seconds"):
+        cp.gpus_revoked("spot-0", notice_s=-1)
+    assert gpu_states(cp.engine, "preemptible") == {GPUState.UNAVAILABLE}
+
+
+def test_the_event_commands(cp: ControlPlane, database_url: str, tmp_path) -> None:
+    env = {"PEARL_DATABASE_URL": database_url, "PEARL_HOME": str(tmp_path)}
+    run = CliRunner().invoke
+    done = run(app, ["event", "gpus-granted", "--node", "spot-0", "--gpus", "0,1", "--json"], env=env)
+    assert done.exit_code == 0, done.output
+    assert json.loads(done.stdout) == {"node": "spot-0", "granted": [7, 8]}
+    done = run(app, ["event", "rollout-progress", "--step", "0", "--finished", "2", "--batch-size", "4"], env=env)
+    assert done.exit_code == 0 and "rollout step 0: 2 finished" in done.stdout
+    done = run(app, ["event", "training-begin", "--step", "1", "--json"], env=env)
+    assert done.exit_code == 0 and json.loads(done.stdout)["started"] is True
+    done = run(app, ["event", "training-end", "--step", "1", "--weights-version", "1", "--snapshot", "/w/1"], env=env)
+    assert done.exit_code == 0 and "weights version 1" in done.stdout
+    done = run(app, ["event", "gpus-revoked", "--node", "spot-0", "--notice-s", "30", "--json"], env=env)
+    assert done.exit_code == 0 and json.loads(done.stdout)["notice_s"] == 30
+    for args, message in ((["event", "gpus-granted", "--node", "spot-0", "--gpus", "a,b"], "--gpus: a comma"),
+                          (["event", "rollout-progress", "--step", "0", "--finished", "1"], "finished: rollout step 0"),
+                          (["event", "training-end", "--step", "9"], "step: training step 9 never began")):
+        done = run(app, args, env=env)
+        assert done.exit_code == 2 and message in done.output, done.output
+    with transaction(cp.engine) as session:
+        assert session.get(RolloutProgress, 0).finished == 2
+
+
+def test_start_training_is_the_step_the_trainer_asked_for(cp: ControlPlane) -> None:
+    with transaction(cp.engine) as session:
+        assert signals.start_training_if_returned(session) is None  # nothing requested
+    cp.training_begin(1, wait_s=0)
+    with transaction(cp.engine) as session:
+        assert signals.start_training_if_returned(session) is None  # it started already
+        assert signals.borrowed_gpus(session) == ()
