@@ -3,7 +3,7 @@
 Pure: no I/O. On each elastic signal the policy calls `select(profile, budget_workers, current)`:
 every candidate is predicted at once (`predictor.evaluate`, vectorised), infeasible ones are kept
 in the ranking with their reason, and the chosen configuration is the best feasible one unless
-the switch does not pay for itself (`policies.switching`). `pearlctl plan --explain` renders
+the switch does not pay for itself (`switching.decide_switch`). `pearlctl plan --explain` renders
 `Selection.explain()`; the decisions table stores `Selection.summary()`.
 
 Forced switches are never blocked: with nothing running, the best is taken; when the current

@@ -5,7 +5,7 @@ A profile is keyed by (model, gpu, tp, device) and says where its figures come f
 history, and a fitted row names the row it was refit from (`based_on`) and the telemetry it folded in.
 
 What the fleet plans with (`load_profile`), for the inventory's (model, gpu, tp) on FLEET_DEVICE:
-1. the latest `fitted` row (refit from the fleet's telemetry, `telemetry_ingest`); when a `measured`
+1. the latest `fitted` row (refit from the fleet's telemetry, `telemetry_store`); when a `measured`
    row is newer than the engine its fit chain started from (the chain's first row that is not
    fitted), that row's workload part with the newer measured engine (the next fit is based on it);
 2. else the inventory's `workload:` block as the prior with the engine of the latest `measured`

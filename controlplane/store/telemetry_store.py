@@ -3,7 +3,7 @@
 `pearlctl event telemetry FILE.json` (and the demo's trainer) call `ingest_telemetry`. The telemetry
 is validated before anything is written (`controlplane/core/telemetry.py`: NaN, negative counts and
 missing fields are refused with the field named). Then, in one transaction: the raw step is stored,
-`tracker.fit_profile` folds it into the current profile (`profiles.load_profile`: fitted, else
+`tracker.fit_profile` folds it into the current profile (`profile_store.load_profile`: fitted, else
 measured engine over the workload prior, else the catalog prior; with no workload block and nothing
 fitted yet, this very step is the prior) and the result is stored as a new `fitted` row naming the
 row it was refit from (the measured row whose engine the profile uses, when it uses one; else the

@@ -1,11 +1,11 @@
 """The policy engine adapter: the database -> the pure PEARL policy -> a decision and a plan as rows.
 
 One pass (`plan`): in one REPEATABLE READ transaction (one consistent view) read the fleet snapshot
-(`state.load_snapshot`), the profile (`profiles.load_profile`: fitted, else a measured engine over
+(`snapshot.load_snapshot`), the profile (`profile_store.load_profile`: fitted, else a measured engine over
 the inventory's workload prior, else the catalog prior), the signals a live control plane knows
 (below) and the policy's memory (`policy_memory`); call `PearlPolicy.decide`, then `orchestrate`.
 Then, in a second short transaction (`write_planned`), write the decision, the plan
-(`plans.write_plan`: proposed, base_version = the snapshot's state_version, older proposed plans
+(`plan_store.write_plan`: proposed, base_version = the snapshot's state_version, older proposed plans
 superseded) and the new memory. With `dry_run` nothing is written. The write takes the fleet row
 first (`transitions.lock_fleet`); if the fleet's state_version is no longer the snapshot's, or the
 stored memory changed since it was read (another pass wrote meanwhile), nothing is written and
@@ -13,7 +13,7 @@ StalePlan says so (`pearlctl plan` again is the remedy): a pass never overwrites
 memory, and a plan is never computed against a state other than the one it records (invariant 3).
 
 One profile. The policy's memory carries a profile it would refit from `signals.telemetry`; live,
-the profiles table is the truth (telemetry is folded in when it is ingested, `telemetry_ingest`),
+the profiles table is the truth (telemetry is folded in when it is ingested, `telemetry_store`),
 so the memory's profile is replaced by the stored one and its `fitted_step` set to the last step
 ingested: no step is folded twice.
 
