@@ -3,7 +3,7 @@
 Prints one JSON object: per scenario and system, the median and spread of the wall time over
 `--repeat` runs (one core, this process), simulated events per second, and tokens_per_s; each
 system's median relative to `roll` measured in the same run; and the wall time of a whole compare.
-Targets (issue 4): one 2-hour 32-GPU scenario for one system under 30 s; compare under 3 minutes.
+Targets: one 2-hour 32-GPU scenario for one system under 30 s; compare under 3 minutes.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ GPUs), each on its dedicated GPUs alone and with the training GPUs added (`--ove
 setting: the configuration the predictor selects (profile fitted on a colocated run that is no
 candidate), the empirical best over every candidate simulated on the same batches, the gap, the
 predictor's MAPE beside the paper's formulas', and the paper's own selected and best ratios with
-what that ratio measures here. Acceptance (issue 3): selected = empirical best in at least 5 of
+what that ratio measures here. Target: selected = empirical best in at least 5 of
 the 6 settings, gap <= 1%.
 
 The paper's splits won because every turn re-prefilled its whole context; here every system routes

@@ -25,7 +25,7 @@ def write(path: Path, raw: object) -> Path:
     return path
 
 
-def test_the_shipped_catalog_has_the_issue_models_and_gpus():
+def test_the_shipped_catalog_has_the_four_qwen3_models_and_four_gpus():
     cat = load_catalog()
     assert {"qwen3-4b", "qwen3-8b", "qwen3-32b", "qwen3-30b-a3b"} <= set(cat.models)
     assert {"h100", "h200", "h800", "a100"} <= set(cat.gpus)
