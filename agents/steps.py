@@ -48,34 +48,36 @@ class StepCancelled(PearlError):
 
 
 class ServerAPI(Protocol):
-    """The part of SGLang's HTTP API the steps use (`agents.server_client.ServerClient`)."""
+    """The part of SGLang's HTTP API the steps use (`agents.server_client.ServerClient`); a client is
+    made for one step and carries its fencing token on every command."""
 
     def health(self) -> bool: ...
     def is_idle(self) -> bool: ...
     def model_info(self) -> dict[str, Any]: ...
-    def pause_generation(self, mode: str = "abort", *, fence: int | None = None) -> None: ...
-    def continue_generation(self, *, fence: int | None = None) -> None: ...
-    def release_memory_occupation(self, *, fence: int | None = None) -> None: ...
-    def resume_memory_occupation(self, *, fence: int | None = None) -> None: ...
-    def pd_role_switch(self, new_role: str, *, fence: int | None = None) -> None: ...
-    def update_weights_from_disk(self, model_path: str, weight_version: int, *, fence: int | None = None) -> None: ...
+    def pause_generation(self, mode: str = "abort") -> Any: ...
+    def continue_generation(self) -> Any: ...
+    def release_memory_occupation(self) -> Any: ...
+    def resume_memory_occupation(self) -> Any: ...
+    def pd_role_switch(self, new_role: str) -> Any: ...
+    def update_weights_from_disk(self, model_path: str, weight_version: int) -> Any: ...
 
 
 class FrontDoorAPI(Protocol):
-    """What the steps ask of the front door (`agents.router`): which workers it routes to, and its mode."""
+    """What the steps ask of the front door (`agents.router_client.FrontDoorClient`): which workers it
+    routes to, and its mode."""
 
-    def register(self, worker_id: int, url: str, role: str, bootstrap_port: int | None) -> None: ...
-    def deregister(self, worker_id: int) -> None: ...
+    def register(self, url: str, role: str, bootstrap_port: int | None = None) -> Any: ...
+    def deregister(self, url: str) -> Any: ...
     def set_mode(self, mode: str) -> None: ...
 
 
 class NoFrontDoor:
     """A fleet with no front door registered: clients reach the servers some other way."""
 
-    def register(self, worker_id: int, url: str, role: str, bootstrap_port: int | None) -> None:
+    def register(self, url: str, role: str, bootstrap_port: int | None = None) -> None:
         return None
 
-    def deregister(self, worker_id: int) -> None:
+    def deregister(self, url: str) -> None:
         return None
 
     def set_mode(self, mode: str) -> None:
@@ -99,7 +101,7 @@ class StepContext:
     engine: Any
     step: Mapping[str, Any]  # the claimed row (id, key, action, args, fence, worker_id, ...)
     driver: Driver
-    client: Callable[[str], ServerAPI]  # endpoint -> API client
+    client: Callable[[str, int], ServerAPI]  # (endpoint, fence) -> API client
     front_door: Callable[[], FrontDoorAPI]
     node_address: str
     actor: str
@@ -161,7 +163,7 @@ class StepContext:
             return plan_store.complete_step(session, self.id, self.fence, **effect)
 
     def server_api(self, server: Server) -> ServerAPI:
-        return self.client(server.endpoint)
+        return self.client(server.endpoint, self.fence)
 
 
 def _idle(api: ServerAPI) -> Callable[[], bool]:
@@ -175,8 +177,10 @@ def _idle(api: ServerAPI) -> Callable[[], bool]:
 
 def drain(ctx: StepContext) -> None:
     w = ctx.begin()
-    ctx.front_door().deregister(w.id)
     server = ctx.driver.running(w.id)
+    endpoint = server.endpoint if server is not None else w.endpoint
+    if endpoint:
+        ctx.front_door().deregister(endpoint)
     if server is not None:
         ctx.wait(_idle(ctx.server_api(server)), ctx.timeouts.drain_s, "idle after drain")
     ctx.complete()
@@ -188,10 +192,10 @@ def interrupt(ctx: StepContext) -> None:
     if server is not None:
         api = ctx.server_api(server)
         if not api.is_idle():
-            api.pause_generation("abort", fence=ctx.fence)
+            api.pause_generation("abort")
             if not ctx.wait(_idle(api), ctx.timeouts.idle_s, "idle after interrupt"):
                 raise DriverError(f"worker {w.id}: requests still running {ctx.timeouts.idle_s:g} s after the abort")
-            api.continue_generation(fence=ctx.fence)
+            api.continue_generation()
     ctx.complete()
 
 
@@ -200,7 +204,7 @@ def release(ctx: StepContext) -> None:
     server = ctx.driver.running(w.id)
     if server is not None:
         if w.zone is WorkerZone.OVERLAP:
-            ctx.server_api(server).release_memory_occupation(fence=ctx.fence)  # sleeps until the next loan
+            ctx.server_api(server).release_memory_occupation()  # sleeps until the next loan
         else:
             ctx.driver.stop(w.id)
     ctx.complete()
@@ -213,9 +217,9 @@ def start(ctx: StepContext) -> None:
     if server is not None and w.zone is WorkerZone.OVERLAP and (server.role is Role.COLOCATED) == (
             role is Role.COLOCATED):
         api = ctx.server_api(server)  # the server slept through the training step: wake it
-        api.resume_memory_occupation(fence=ctx.fence)
+        api.resume_memory_occupation()
         if server.role is not role:
-            api.pd_role_switch(role.value, fence=ctx.fence)
+            api.pd_role_switch(role.value)
     elif server is None or server.generation != w.generation or server.role is not role:
         if server is not None:
             ctx.driver.stop(w.id)
@@ -245,7 +249,7 @@ def load_weights(ctx: StepContext) -> None:
             raise DriverError(f"weights version {version} has no snapshot to load")
         api = ctx.server_api(server)
         if int(api.model_info().get("weight_version") or 0) != version:
-            api.update_weights_from_disk(w.snapshot, version, fence=ctx.fence)
+            api.update_weights_from_disk(w.snapshot, version)
         loaded = int(api.model_info().get("weight_version") or 0)
         if loaded != version:
             raise DriverError(f"worker {w.id} reports weights version {loaded} after loading {version}")
@@ -257,7 +261,7 @@ def admit(ctx: StepContext) -> None:
     server = ctx.driver.running(w.id)
     if server is None:
         raise DriverError(f"worker {w.id} has no server to admit")
-    ctx.front_door().register(w.id, server.endpoint, Role(ctx.args["role"]).value, server.bootstrap_port)
+    ctx.front_door().register(server.endpoint, Role(ctx.args["role"]).value, server.bootstrap_port)
     ctx.complete()
 
 
@@ -271,7 +275,7 @@ def flip_role(ctx: StepContext) -> None:
         api = ctx.server_api(server)
         if not ctx.wait(_idle(api), ctx.timeouts.idle_s, "idle before the role switch"):
             raise DriverError(f"worker {w.id} is not idle after {ctx.timeouts.idle_s:g} s; a role switch needs it idle")
-        api.pd_role_switch(role.value, fence=ctx.fence)
+        api.pd_role_switch(role.value)
         ctx.driver.record_role(w.id, role)
     ctx.complete()
 

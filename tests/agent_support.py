@@ -40,8 +40,8 @@ class FakeServers:
         self.launches = 0
         self.hang_launch = threading.Event()  # set: launch blocks until cleared (a step stuck mid-way)
 
-    def client(self, endpoint: str) -> FakeClient:
-        return FakeClient(self, endpoint)
+    def client(self, endpoint: str, fence: int | None = None) -> FakeClient:
+        return FakeClient(self, endpoint, fence)
 
 
 class FakeDriver:
@@ -99,11 +99,13 @@ class FakeDriver:
 
 
 class FakeClient:
-    def __init__(self, servers: FakeServers, endpoint: str) -> None:
+    def __init__(self, servers: FakeServers, endpoint: str, fence: int | None = None) -> None:
         self.servers = servers
         self.endpoint = endpoint
+        self.fence = fence
 
-    def _s(self, fence: int | None = None, command: str = "") -> FakeServer:
+    def _s(self, command: str = "") -> FakeServer:
+        fence = self.fence if command else None
         s = self.servers.by_endpoint.get(self.endpoint)
         if s is None or not s.alive:
             raise DriverError(f"{self.endpoint} does not answer")
@@ -125,46 +127,46 @@ class FakeClient:
         s = self._s()
         return {"weight_version": s.weight_version, "disaggregation_mode": s.role.value}
 
-    def pause_generation(self, mode: str = "abort", *, fence: int | None = None) -> None:
-        s = self._s(fence, f"pause:{mode}")
+    def pause_generation(self, mode: str = "abort") -> None:
+        s = self._s(f"pause:{mode}")
         s.aborted += s.running
         s.running = 0
 
-    def continue_generation(self, *, fence: int | None = None) -> None:
-        self._s(fence, "continue")
+    def continue_generation(self) -> None:
+        self._s("continue")
 
-    def release_memory_occupation(self, *, fence: int | None = None) -> None:
-        s = self._s(fence, "release")
+    def release_memory_occupation(self) -> None:
+        s = self._s("release")
         if s.running:
             raise DriverError(f"{self.endpoint}: cannot release memory with {s.running} request(s) running")
         s.released = True
 
-    def resume_memory_occupation(self, *, fence: int | None = None) -> None:
-        self._s(fence, "resume").released = False
+    def resume_memory_occupation(self) -> None:
+        self._s("resume").released = False
 
-    def pd_role_switch(self, new_role: str, *, fence: int | None = None) -> None:
-        s = self._s(fence, f"switch:{new_role}")
+    def pd_role_switch(self, new_role: str) -> None:
+        s = self._s(f"switch:{new_role}")
         if s.running:
             raise DriverError(f"{self.endpoint}: a role switch needs an idle server")
         s.role = Role(new_role)
 
-    def update_weights_from_disk(self, model_path: str, weight_version: int, *, fence: int | None = None) -> None:
-        self._s(fence, f"load:{weight_version}").weight_version = weight_version
+    def update_weights_from_disk(self, model_path: str, weight_version: int) -> None:
+        self._s(f"load:{weight_version}").weight_version = weight_version
 
 
 @dataclass
 class FakeFrontDoor:
-    workers: dict[int, tuple[str, str]] = field(default_factory=dict)  # worker -> (url, role)
+    workers: dict[str, str] = field(default_factory=dict)  # url -> role
     mode: str | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def register(self, worker_id: int, url: str, role: str, bootstrap_port: int | None) -> None:
+    def register(self, url: str, role: str, bootstrap_port: int | None = None) -> None:
         with self.lock:
-            self.workers[worker_id] = (url, role)
+            self.workers[url] = role
 
-    def deregister(self, worker_id: int) -> None:
+    def deregister(self, url: str) -> None:
         with self.lock:
-            self.workers.pop(worker_id, None)
+            self.workers.pop(url, None)
 
     def set_mode(self, mode: str) -> None:
         self.mode = mode

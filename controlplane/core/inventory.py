@@ -36,6 +36,10 @@ class Inventory(_Strict):
     tp: int = Field(gt=0)  # GPUs per worker
     nodes: tuple[InventoryNode, ...] = Field(min_length=1)
     workload: Workload | None = None  # the prior until telemetry arrives
+    # Simulated servers running this many times faster than the wall clock (`pearlctl demo`): every
+    # duration pearl measures is multiplied by it before the policy sees it, so that measured costs
+    # and the model's makespans are in the same seconds. None: real servers, 1.
+    time_scale: float | None = Field(default=None, gt=0, le=10000)
 
     @property
     def total_gpus(self) -> int:

@@ -219,13 +219,16 @@ def signals_dict(s: Signals) -> dict[str, Any]:
 # -- reading what a live control plane knows -------------------------------------------------------
 
 
-def live_signals(session: Session, snapshot: FleetSnapshot, batch_size: int, event: str) -> Signals:
-    """The signals of the module docstring, read in the caller's transaction."""
+def live_signals(session: Session, snapshot: FleetSnapshot, batch_size: int, event: str,
+                 time_scale: float = 1.0) -> Signals:
+    """The signals of the module docstring, read in the caller's transaction. Every duration and
+    time measured on the wall clock is multiplied by `time_scale` (the inventory's: simulated
+    servers running faster than the wall clock)."""
     fleet_row = session.execute(select(Fleet.imported_at, func.pearl_now()).where(Fleet.id == 1)).one()
     origin: datetime = fleet_row[0] or fleet_row[1]
 
     def since(ts: datetime) -> float:
-        return (ts - origin).total_seconds()
+        return (ts - origin).total_seconds() * time_scale
 
     latest = session.scalars(select(TrainingStep).order_by(TrainingStep.step.desc()).limit(1)).first()
     running = latest is not None and latest.started_at is not None and latest.ended_at is None
@@ -256,16 +259,16 @@ def live_signals(session: Session, snapshot: FleetSnapshot, batch_size: int, eve
         rollout_step=rollout_step,
         batch_size=batch_size,
         remaining=remaining,
-        toggle_costs=tuple(cycles[-TOGGLE_HISTORY:]),
+        toggle_costs=tuple(c * time_scale for c in cycles[-TOGGLE_HISTORY:]),
         toggle_cycles=len(cycles),
         training=running,
         training_wanted=wanted,
         deadlines={slot: since(deadline) for slot, deadline in notices.items()},
         telemetry=telemetry,
-        step_durations=step_durations(session),
+        step_durations={k: v * time_scale for k, v in step_durations(session).items()},
         weights_version=int(weights),
         plans_in_flight=session.scalar(select(func.count()).where(PlanRow.status == PlanStatus.APPLYING)) or 0,
-        last_training_s=(ended.ended_at - ended.started_at).total_seconds() if ended is not None else None,
+        last_training_s=(ended.ended_at - ended.started_at).total_seconds() * time_scale if ended is not None else None,
     )
 
 
@@ -327,7 +330,7 @@ def decide(session: Session, *, event: str = "plan") -> Planned:
     stored = load_profile(session, fleet_key(inventory), inventory.workload)
     snapshot = load_snapshot(session)
     batch = inventory.workload.batch_size if inventory.workload is not None else stored.profile.batch_size
-    signals = live_signals(session, snapshot, batch, event)
+    signals = live_signals(session, snapshot, batch, event, inventory.time_scale or 1.0)
     policy = live_policy(stored)
     memory, note = _load_memory(session, policy, stored)
     target, after = policy.decide(snapshot, signals, memory)

@@ -110,7 +110,7 @@ def test_two_agents_enact_colocated_2p2d_1p3d_colocated(fleet: Fleet) -> None:
         for wid, (_, role) in now.items():
             server = fleet.servers.by_endpoint[endpoints[wid]]
             assert server.alive and server.role is role and not server.released
-            assert fleet.front_door.workers[wid] == (endpoints[wid], role.value)
+            assert fleet.front_door.workers[endpoints[wid]] == role.value
         assert fleet.front_door.mode == mode
     # 2P2D -> 1P3D flipped one prefill server in place; the mode changes restarted every server
     flips = [c for s in fleet.servers.by_endpoint.values() for c in s.commands if c.startswith("switch:")]
