@@ -30,6 +30,10 @@ def _register() -> None:
     apply.register(app)
     event.register(app)
     profile.register(app)
+    from pearl.cli import router, simworker
+
+    simworker.register(app)
+    router.register(app)
 
 
 _register()
@@ -37,3 +41,7 @@ _register()
 
 def main() -> None:
     app()
+
+
+if __name__ == "__main__":
+    main()
