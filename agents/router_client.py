@@ -23,6 +23,11 @@ class FrontDoorClient:
     def close(self) -> None:
         self._http.close()
 
+    def __del__(self) -> None:
+        http = getattr(self, "_http", None)
+        if http is not None:
+            http.close()
+
     def __enter__(self) -> FrontDoorClient:
         return self
 

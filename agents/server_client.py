@@ -43,6 +43,11 @@ class ServerClient:
     def close(self) -> None:
         self._http.close()
 
+    def __del__(self) -> None:
+        http = getattr(self, "_http", None)
+        if http is not None:
+            http.close()
+
     def __enter__(self) -> ServerClient:
         return self
 

@@ -64,3 +64,7 @@ def state(
     for mode, child in st["children"].items():
         workers = ", ".join(f"{w['url']} ({w['worker_type']})" for w in child["workers"]) or "none"
         out.print(f"  {mode} router {child['url']} (pid {child['pid']}): {workers}")
+
+
+if __name__ == "__main__":  # `python -m pearl.cli.router serve ...` is `pearlctl router serve ...`, faster to start
+    router_app()

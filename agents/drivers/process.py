@@ -33,9 +33,15 @@ def free_port(host: str = "") -> int:
         return s.getsockname()[1]
 
 
-def _alive(pid: int, started: float | None) -> bool:
-    with contextlib.suppress(ChildProcessError, OSError):
-        os.waitpid(pid, os.WNOHANG)  # reap it if this process launched it and it exited
+def _alive(pid: int, started: float | None, children: dict[int, subprocess.Popen] | None = None) -> bool:
+    proc = (children or {}).get(pid)
+    if proc is not None:
+        if proc.poll() is not None:  # launched here and exited: reaped
+            children.pop(pid, None)
+            return False
+    else:
+        with contextlib.suppress(ChildProcessError, OSError):
+            os.waitpid(pid, os.WNOHANG)  # reap it if this process launched it and it exited
     try:
         proc = psutil.Process(pid)
         if proc.status() == psutil.STATUS_ZOMBIE:
@@ -54,6 +60,7 @@ class ProcessDriver:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.env = dict(env or {})
+        self._children: dict[int, subprocess.Popen] = {}  # launched by this driver: polled, so never zombies
 
     # -- what differs per driver -----------------------------------------------------------------
 
@@ -78,7 +85,7 @@ class ProcessDriver:
         raw = self._read(worker_id)
         if raw is None:
             return None
-        if not _alive(raw["server"]["pid"], raw.get("started")):
+        if not _alive(raw["server"]["pid"], raw.get("started"), self._children):
             self._record(worker_id).unlink(missing_ok=True)
             return None
         return Server.from_dict(raw["server"])
@@ -109,6 +116,7 @@ class ProcessDriver:
         with log_path.open("ab") as log:
             proc = subprocess.Popen(argv, env={**os.environ, **self.env, **env}, stdin=subprocess.DEVNULL,
                                     stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=self.run_dir)
+        self._children[proc.pid] = proc
         try:
             started = psutil.Process(proc.pid).create_time()
         except psutil.Error:
@@ -143,17 +151,17 @@ class ProcessDriver:
         if raw is None:
             return False
         pid = raw["server"]["pid"]
-        ran = _alive(pid, raw.get("started"))
+        ran = _alive(pid, raw.get("started"), self._children)
         if ran:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)
             deadline = time.monotonic() + grace_s
-            while _alive(pid, raw.get("started")) and time.monotonic() < deadline:
+            while _alive(pid, raw.get("started"), self._children) and time.monotonic() < deadline:
                 time.sleep(0.02)
         if ran or raw.get("started") is None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pid, signal.SIGKILL)  # the leader if it ignored SIGTERM, and whatever it left
-            while _alive(pid, raw.get("started")):
+            while _alive(pid, raw.get("started"), self._children):
                 time.sleep(0.01)
         self._record(worker_id).unlink(missing_ok=True)
         return ran
