@@ -63,9 +63,10 @@ def start_front_door(run_dir: Path, port: int | None = None, mode: str = "coloca
     port = port or free_port()
     run_dir.mkdir(parents=True, exist_ok=True)
     log = run_dir / "frontdoor.log"
-    proc = subprocess.Popen([sys.executable, "-m", "pearl.cli.router", "serve", "--port", str(port), "--mode", mode,
-                             "--run-dir", str(run_dir), "--hold-s", str(hold_s)],
-                            stdout=subprocess.DEVNULL, stderr=log.open("ab"), stdin=subprocess.DEVNULL)
+    with log.open("ab") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "pearl.cli.router", "serve", "--port", str(port), "--mode",
+                                 mode, "--run-dir", str(run_dir), "--hold-s", str(hold_s)],
+                                stdout=subprocess.DEVNULL, stderr=err, stdin=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout_s
     while True:
