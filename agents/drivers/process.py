@@ -25,6 +25,10 @@ from pearl.controlplane.core.domain import Role
 
 from .base import DriverError, Server, ServerSpec
 
+# Servers this process launched, by pid: polled (so they never linger as zombies) and kept for the life of
+# the process, since a server is meant to outlive the driver object (and the agent) that launched it.
+LAUNCHED: dict[int, subprocess.Popen] = {}
+
 
 def free_port(host: str = "") -> int:
     """A TCP port nothing listens on now (the OS picks it)."""
@@ -60,7 +64,7 @@ class ProcessDriver:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.env = dict(env or {})
-        self._children: dict[int, subprocess.Popen] = {}  # launched by this driver: polled, so never zombies
+        self._children = LAUNCHED
 
     # -- what differs per driver -----------------------------------------------------------------
 
