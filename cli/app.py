@@ -32,6 +32,10 @@ def _register() -> None:
     event.register(app)
     profile.register(app)
     reap.register(app)
+    from pearl.cli import router, simworker
+
+    simworker.register(app)
+    router.register(app)
 
 
 _register()
@@ -39,3 +43,7 @@ _register()
 
 def main() -> None:
     app()
+
+
+if __name__ == "__main__":
+    main()

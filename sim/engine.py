@@ -218,6 +218,14 @@ class Engine:
         self.paused_until = max(self.paused_until, until)
         return self.kick(now)
 
+    def resume(self, now: float) -> list[tuple[str, Request]]:
+        """End a pause before its time (a live server told to continue); the next iteration starts now."""
+        self.paused_until = min(self.paused_until, now)
+        if self.kind == PAUSE:
+            self.kind, self.busy_until = IDLE, None
+            self.epoch += 1
+        return self.kick(now)
+
     def kick(self, now: float) -> list[tuple[str, Request]]:
         """React to a change: start work if idle, end a decode stretch at its next iteration."""
         out: list[tuple[str, Request]] = []

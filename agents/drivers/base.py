@@ -29,6 +29,8 @@ from typing import Any, Protocol
 from pearl.controlplane.core.domain import Role
 from pearl.controlplane.errors import PearlError
 
+FENCE_HEADER = "X-Pearl-Fence"  # the fencing token of the step that sends a command to a server
+
 
 class DriverError(PearlError):
     """The server could not be driven (it did not start, died, or refused a command)."""

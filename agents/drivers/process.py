@@ -1,0 +1,194 @@
+"""What both drivers share: server processes launched, found again, waited for and stopped by PID.
+
+A launched server runs in its own session (process group), so it outlives the agent that started
+it; its record, `worker-<id>.json` in the node's run directory, holds the pid, the process start time
+(a reused pid is never mistaken for it), the endpoint, role, generation and log file, and is what
+the next agent on the node reads to adopt the server. Stop: SIGTERM to the pid, SIGKILL to its process
+group after the grace period (SGLang's scheduler and detokenizer processes included).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections import deque
+from pathlib import Path
+
+import httpx
+import psutil
+from pearl.controlplane.core.domain import Role
+
+from .base import DriverError, Server, ServerSpec
+
+# Servers this process launched, by pid: polled (so they never linger as zombies) and kept for the life of
+# the process, since a server is meant to outlive the driver object (and the agent) that launched it.
+LAUNCHED: dict[int, subprocess.Popen] = {}
+
+
+def free_port(host: str = "") -> int:
+    """A TCP port nothing listens on now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _alive(pid: int, started: float | None, children: dict[int, subprocess.Popen] | None = None) -> bool:
+    proc = (children or {}).get(pid)
+    if proc is not None:
+        if proc.poll() is not None:  # launched here and exited: reaped
+            children.pop(pid, None)
+            return False
+    else:
+        with contextlib.suppress(ChildProcessError, OSError):
+            os.waitpid(pid, os.WNOHANG)  # reap it if this process launched it and it exited
+    try:
+        proc = psutil.Process(pid)
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return False
+        return started is None or abs(proc.create_time() - started) < 0.5
+    except psutil.Error:
+        return False
+
+
+class ProcessDriver:
+    """Launch, adopt and stop server processes; subclasses say how a server is launched (`command`)."""
+
+    name = "process"
+
+    def __init__(self, run_dir: Path | str, env: dict[str, str] | None = None) -> None:
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.env = dict(env or {})
+        self._children = LAUNCHED
+
+    # -- what differs per driver -----------------------------------------------------------------
+
+    def command(self, spec: ServerSpec, port: int, bootstrap_port: int | None) -> tuple[list[str], dict[str, str]]:
+        raise NotImplementedError
+
+    def bootstrap_port(self, spec: ServerSpec) -> int | None:
+        return free_port() if spec.role in (Role.PREFILL, Role.DECODE) else None
+
+    # -- records ---------------------------------------------------------------------------------
+
+    def _record(self, worker_id: int) -> Path:
+        return self.run_dir / f"worker-{worker_id}.json"
+
+    def _read(self, worker_id: int) -> dict | None:
+        try:
+            return json.loads(self._record(worker_id).read_text())
+        except (OSError, ValueError):
+            return None
+
+    def running(self, worker_id: int) -> Server | None:
+        raw = self._read(worker_id)
+        if raw is None:
+            return None
+        if not _alive(raw["server"]["pid"], raw.get("started"), self._children):
+            self._record(worker_id).unlink(missing_ok=True)
+            return None
+        return Server.from_dict(raw["server"])
+
+    def servers(self) -> list[Server]:
+        found = []
+        for path in sorted(self.run_dir.glob("worker-*.json")):
+            with contextlib.suppress(ValueError):
+                server = self.running(int(path.stem.split("-", 1)[1]))
+                if server is not None:
+                    found.append(server)
+        return found
+
+    def record_role(self, worker_id: int, role: Role) -> None:
+        """The server flipped in place (prefill <-> decode): its record says the new role."""
+        raw = self._read(worker_id)
+        if raw is None:
+            raise DriverError(f"worker {worker_id}: no server record to update")
+        raw["server"]["role"] = role.value
+        tmp = self._record(worker_id).with_suffix(".tmp")
+        tmp.write_text(json.dumps(raw, indent=1))
+        os.replace(tmp, self._record(worker_id))
+
+    # -- launch, wait, stop ----------------------------------------------------------------------
+
+    def launch(self, spec: ServerSpec) -> Server:
+        if spec.role not in (Role.COLOCATED, Role.PREFILL, Role.DECODE):
+            raise DriverError(f"worker {spec.worker_id}: no server for role {spec.role.value}")
+        current = self.running(spec.worker_id)
+        if current is not None:
+            if current.generation == spec.generation:
+                return current
+            self.stop(spec.worker_id)
+        port = free_port()
+        bootstrap = self.bootstrap_port(spec)
+        argv, env = self.command(spec, port, bootstrap)
+        log_path = self.run_dir / f"worker-{spec.worker_id}-g{spec.generation}.log"
+        with log_path.open("ab") as log:
+            proc = subprocess.Popen(argv, env={**os.environ, **self.env, **env}, stdin=subprocess.DEVNULL,
+                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=self.run_dir)
+        self._children[proc.pid] = proc
+        try:
+            started = psutil.Process(proc.pid).create_time()
+        except psutil.Error:
+            started = None
+        server = Server(spec.worker_id, proc.pid, f"http://{spec.host}:{port}", spec.role, spec.generation,
+                        bootstrap, str(log_path))
+        record = {"server": server.to_dict(), "started": started, "argv": argv, "driver": self.name,
+                  "devices": list(spec.devices), "fence": spec.fence}
+        tmp = self._record(spec.worker_id).with_suffix(".tmp")
+        tmp.write_text(json.dumps(record, indent=1))
+        os.replace(tmp, self._record(spec.worker_id))
+        return server
+
+    def wait_ready(self, server: Server, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        with httpx.Client(timeout=2.0) as client:
+            while True:
+                if self.running(server.worker_id) is None:
+                    tail = self.log_tail(server.worker_id, path=server.log_path)
+                    raise DriverError(f"worker {server.worker_id}: the server exited before it was ready; "
+                                      f"last lines of {server.log_path}:\n{tail}")
+                with contextlib.suppress(httpx.HTTPError):
+                    if client.get(server.endpoint + "/health").status_code == 200:
+                        return
+                if time.monotonic() > deadline:
+                    raise DriverError(f"worker {server.worker_id}: not ready after {timeout_s:.0f} s; last lines of "
+                                      f"{server.log_path}:\n{self.log_tail(server.worker_id, path=server.log_path)}")
+                time.sleep(0.05)
+
+    def stop(self, worker_id: int, grace_s: float = 10.0) -> bool:
+        raw = self._read(worker_id)
+        if raw is None:
+            return False
+        pid = raw["server"]["pid"]
+        ran = _alive(pid, raw.get("started"), self._children)
+        if ran:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+            deadline = time.monotonic() + grace_s
+            while _alive(pid, raw.get("started"), self._children) and time.monotonic() < deadline:
+                time.sleep(0.02)
+        if ran or raw.get("started") is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)  # the leader if it ignored SIGTERM, and whatever it left
+            while _alive(pid, raw.get("started"), self._children):
+                time.sleep(0.01)
+        self._record(worker_id).unlink(missing_ok=True)
+        return ran
+
+    def log_tail(self, worker_id: int, lines: int = 20, path: str | None = None) -> str:
+        if path is None:
+            raw = self._read(worker_id)
+            if raw is not None:
+                path = raw["server"]["log_path"]
+            else:
+                logs = sorted(self.run_dir.glob(f"worker-{worker_id}-g*.log"), key=lambda p: p.stat().st_mtime)
+                path = str(logs[-1]) if logs else None
+        if path is None or not Path(path).exists():
+            return ""
+        with open(path, errors="replace") as f:
+            return "".join(deque(f, maxlen=lines)).rstrip("\n")

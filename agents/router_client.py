@@ -1,0 +1,65 @@
+"""A synchronous client of the front door's admin API (agents/router.py): what the agent's steps call.
+
+`register` and `deregister` return once the child router lists (or no longer lists) the worker;
+`sync` makes the routers list exactly the given workers (after a restart of the front door);
+failures raise `DriverError` with the front door's message.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+from pearl.controlplane.core.domain import Role
+
+from .drivers.base import DriverError
+
+
+class FrontDoorClient:
+    def __init__(self, url: str, timeout_s: float = 60.0) -> None:
+        self.url = url.rstrip("/")
+        self._http = httpx.Client(timeout=timeout_s)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __del__(self) -> None:
+        http = getattr(self, "_http", None)
+        if http is not None:
+            http.close()
+
+    def __enter__(self) -> FrontDoorClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _call(self, method: str, path: str, body: Any = None) -> dict[str, Any]:
+        try:
+            resp = self._http.request(method, self.url + path, json=body)
+        except httpx.HTTPError as exc:
+            raise DriverError(f"front door {self.url}: no answer ({type(exc).__name__}: {exc})") from None
+        if resp.status_code != 200:
+            try:
+                message = resp.json()["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                message = resp.text.strip()
+            raise DriverError(f"front door {self.url}{path}: {resp.status_code}: {message}")
+        return resp.json()
+
+    def register(self, url: str, role: Role | str, bootstrap_port: int | None = None) -> dict[str, Any]:
+        return self._call("POST", "/pearl/workers", {"url": url, "role": Role(role).value,
+                                                      "bootstrap_port": bootstrap_port})
+
+    def deregister(self, url: str) -> bool:
+        return bool(self._call("DELETE", "/pearl/workers", {"url": url})["removed"])
+
+    def set_mode(self, mode: str) -> None:
+        self._call("PUT", "/pearl/mode", {"mode": mode})
+
+    def sync(self, mode: str | None, workers: list[dict[str, Any]]) -> dict[str, Any]:
+        """workers: [{url, role, bootstrap_port}, ...] (the active workers, as the database has them)."""
+        return self._call("PUT", "/pearl/workers", {"mode": mode, "workers": workers})
+
+    def state(self) -> dict[str, Any]:
+        return self._call("GET", "/pearl/state")

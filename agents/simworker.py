@@ -1,0 +1,415 @@
+"""The simulated SGLang server: one HTTP process per worker, timed by the performance model.
+
+It answers what the router and pearl's agents call on a real SGLang server (same paths, bodies and
+status codes for what pearl relies on): `/health`, `/ready`, `/server_info`, `/model_info`,
+`/v1/models`, `/v1/loads`, `/generate` (colocated, or one half of a split request, the halves meeting
+by the router's `bootstrap_room`), `/pd_role_switch`, `/release_memory_occupation`,
+`/resume_memory_occupation`, `/pause_generation`, `/continue_generation`,
+`/update_weights_from_disk`, `/flush_cache`. Generation is `agents.simengine.RealtimeEngine`: the
+simulator's continuous-batching engine driven by the wall clock, `speed` times faster.
+
+A simulated request generates exactly `max_new_tokens` tokens (as with `ignore_eos`), so clients
+decide the length of each turn. Text prompts are split on whitespace, one token per word.
+
+Fencing: a command (any POST but `/generate`) may carry `X-Pearl-Fence: <int>`; one older than the
+newest seen is refused with 409 and changes nothing. SIGTERM: in-flight requests are answered as
+aborted (with the tokens generated so far), then the process exits 0. Nothing it holds outlives it
+that the control plane needs: a SIGKILL loses only in-flight requests, which the front door resubmits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import signal
+import sys
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+from pearl.controlplane.core.catalog import default_catalog
+from pearl.controlplane.core.domain import Role
+from pearl.controlplane.core.perfmodel import PerfModel
+
+from .drivers.base import FENCE_HEADER
+from .simengine import VOCAB, RealtimeEngine
+from .snapshot import SnapshotError, load_snapshot
+
+VERSION = "0.5.23-pearl-sim"
+MEMORY_TAGS = ("weights", "kv_cache")
+
+
+@dataclass
+class SimConfig:
+    """How one simulated server is launched (`pearlctl simworker --help`)."""
+
+    port: int
+    host: str = "127.0.0.1"
+    role: Role = Role.COLOCATED
+    model: str = "qwen3-8b"  # catalog model: the timing, and the name served
+    gpu: str = "h100"
+    tp: int = 1
+    worker_id: int = 0
+    generation: int = 1
+    fence: int = 0
+    speed: float = 1.0  # simulated seconds per wall second
+    bootstrap_port: int | None = None  # prefill (and flippable decode) servers
+    model_path: str | None = None  # a weight snapshot to check and load at start
+    weight_version: str = "default"
+    enable_memory_saver: bool = False
+    enable_pd_role_switch: bool = False
+    startup_s: float = 0.0  # simulated start-up (weights, CUDA graphs): /health answers 503 until then
+    weight_load_s: float = 2.0  # simulated time a snapshot load pauses the engine
+    role_switch_s: float = 1.0  # simulated time of a prefill <-> decode flip
+    memory_s: float = 0.5  # simulated time to release or resume memory
+    capacity: int | None = None  # KV tokens; default: the performance model's
+    run_dir: str | None = None  # where model_path points when no snapshot is given (a local directory)
+
+
+@dataclass
+class SimState:
+    cfg: SimConfig
+    rt: RealtimeEngine
+    model_path: str
+    weight_version: str
+    fence: int
+    released: set[str] = field(default_factory=set)
+    paused: str | None = None
+    unpaused: asyncio.Event = field(default_factory=asyncio.Event)
+    held: int = 0
+    switching: bool = False
+    stopping: bool = False
+    ready_at: float = 0.0  # simulated time it finishes starting
+    weights_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def serving_problem(self) -> str | None:
+        if self.stopping:
+            return "the server is shutting down"
+        if self.rt.now() < self.ready_at:
+            return "the server is starting"
+        if self.released:
+            return f"memory released ({', '.join(sorted(self.released))}): not serving until resumed"
+        if self.switching:
+            return "a role switch is in progress"
+        return None
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": {"message": message, "code": status}, "message": message}, status=status)
+
+
+async def _body(request: web.Request, required: bool = True) -> dict[str, Any]:
+    raw = await request.read()
+    if not raw:
+        if required:
+            raise web.HTTPBadRequest(text=json.dumps({"message": "a JSON body is required"}),
+                                     content_type="application/json")
+        return {}
+    try:
+        body = json.loads(raw)
+    except ValueError as exc:
+        raise web.HTTPBadRequest(text=json.dumps({"message": f"body is not JSON: {exc}"}),
+                                 content_type="application/json") from None
+    if not isinstance(body, dict):
+        raise web.HTTPBadRequest(text=json.dumps({"message": "body must be a JSON object"}),
+                                 content_type="application/json")
+    return body
+
+
+def _fenced(state: SimState, request: web.Request) -> web.Response | None:
+    """409 for a command whose fence is older than the newest seen; records a newer one."""
+    raw = request.headers.get(FENCE_HEADER)
+    if raw is None:
+        return None
+    try:
+        fence = int(raw)
+    except ValueError:
+        return _error(400, f"{FENCE_HEADER}: not an integer: {raw!r}")
+    if fence < state.fence:
+        return _error(409, f"fence {fence} is older than {state.fence}: a newer claim drives this server")
+    state.fence = fence
+    return None
+
+
+def build_app(state: SimState) -> web.Application:
+    cfg, rt = state.cfg, state.rt
+    routes = web.RouteTableDef()
+    served = cfg.model
+
+    def info() -> dict[str, Any]:
+        return {"model_path": state.model_path, "served_model_name": served, "tokenizer_path": None,
+                "is_generation": True, "weight_version": state.weight_version, "load_format": "auto",
+                "disaggregation_mode": rt.role.value if rt.role is not Role.COLOCATED else "null",
+                "model_type": cfg.model, "architectures": None}
+
+    @routes.get("/health")
+    @routes.get("/health_generate")
+    @routes.get("/ready")
+    async def health(request: web.Request) -> web.Response:
+        problem = state.serving_problem()
+        return web.Response(status=503, text=problem) if problem else web.Response(status=200)
+
+    @routes.get("/model_info")
+    @routes.get("/get_model_info")
+    async def model_info(request: web.Request) -> web.Response:
+        return web.json_response(info())
+
+    @routes.get("/server_info")
+    @routes.get("/get_server_info")
+    async def server_info(request: web.Request) -> web.Response:
+        return web.json_response({
+            **info(), "host": cfg.host, "port": cfg.port, "tp_size": cfg.tp, "dp_size": 1,
+            "disaggregation_bootstrap_port": cfg.bootstrap_port, "enable_memory_saver": cfg.enable_memory_saver,
+            "enable_pd_role_switch": cfg.enable_pd_role_switch, "max_total_num_tokens": rt.capacity,
+            "version": VERSION, "internal_states": [],
+            "pearl": {"worker_id": cfg.worker_id, "generation": cfg.generation, "gpu": cfg.gpu, "speed": cfg.speed},
+        })
+
+    @routes.get("/v1/models")
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [
+            {"id": served, "object": "model", "owned_by": "sglang", "root": state.model_path,
+             "max_model_len": rt.capacity}]})
+
+    @routes.get("/v1/loads")
+    async def loads(request: web.Request) -> web.Response:
+        return web.json_response({"version": VERSION, "accelerator": cfg.gpu, "num_accelerators": cfg.tp,
+                                  "loads": [rt.load(state.held)]})
+
+    @routes.get("/pearl/state")
+    async def pearl_state(request: web.Request) -> web.Response:
+        return web.json_response({
+            "worker_id": cfg.worker_id, "generation": cfg.generation, "fence": state.fence, "role": rt.role.value,
+            "released": sorted(state.released), "paused": state.paused, "idle": rt.idle and not state.held,
+            "finished": rt.finished, "aborted": rt.aborted, "tokens_out": rt.tokens_out,
+            "weight_version": state.weight_version, "sim_time": rt.now(),
+        })
+
+    @routes.post("/generate")
+    async def generate(request: web.Request) -> web.Response:
+        body = await _body(request)
+        ids = body.get("input_ids")
+        if ids is None and isinstance(body.get("text"), str):
+            ids = [hash(w) % VOCAB for w in body["text"].split()] or [0]
+        if not (isinstance(ids, list) and ids and all(isinstance(t, int) for t in ids)):
+            return _error(400, "input_ids: a non-empty list of token ids (or text) is required; "
+                               "batched requests are not supported by the simulated server")
+        params = body.get("sampling_params") or {}
+        max_new = params.get("max_new_tokens", 128)
+        if not isinstance(max_new, int) or max_new < 0:
+            return _error(400, f"sampling_params.max_new_tokens: a non-negative integer, not {max_new!r}")
+        if len(ids) + max_new > rt.capacity:
+            return _error(400, f"input_ids: {len(ids)} tokens + max_new_tokens {max_new} exceed the "
+                               f"server's {rt.capacity} tokens of KV cache")
+        while state.paused and not state.stopping:
+            state.held += 1
+            try:
+                await state.unpaused.wait()
+            finally:
+                state.held -= 1
+        problem = state.serving_problem()
+        if problem:
+            return _error(503, problem)
+        p = rt.new_request(ids, max_new, str(body.get("rid") or uuid.uuid4().hex))
+        if rt.role is not Role.COLOCATED:
+            room, host, port = body.get("bootstrap_room"), body.get("bootstrap_host"), body.get("bootstrap_port")
+            if room is None or not host or not port:
+                return _error(400, f"a {rt.role.value} server needs bootstrap_host, bootstrap_port and "
+                                   "bootstrap_room (send the request through a PD router)")
+            p.room, p.bootstrap = int(room), (str(host), int(port))
+        if max_new == 0:
+            answer = rt.result(p, "length")
+        else:
+            rt.submit(p)
+            answer = await p.done
+        answer["meta_info"]["weight_version"] = state.weight_version
+        return web.json_response(answer)
+
+    @routes.post("/pearl/kv/{room}")
+    async def kv_pull(request: web.Request) -> web.Response:
+        if rt.role is not Role.PREFILL:
+            return web.json_response({"ok": False, "message": f"not a prefill server ({rt.role.value})"}, status=409)
+        return web.json_response(await rt.serve_pull(int(request.match_info["room"])))
+
+    @routes.post("/pause_generation")
+    async def pause_generation(request: web.Request) -> web.Response:
+        if (refused := _fenced(state, request)) is not None:
+            return refused
+        mode = (await _body(request)).get("mode", "abort")
+        if mode not in ("abort", "retract", "in_place"):
+            return _error(400, f"mode: one of abort, retract, in_place, not {mode!r}")
+        state.paused = mode
+        state.unpaused.clear()
+        aborted = 0
+        if mode == "abort":
+            aborted = rt.interrupt()
+        else:
+            rt.pause(math.inf)
+        return web.json_response({"message": "Generation paused successfully.", "status": "ok", "aborted": aborted})
+
+    @routes.post("/continue_generation")
+    async def continue_generation(request: web.Request) -> web.Response:
+        if (refused := _fenced(state, request)) is not None:
+            return refused
+        state.paused = None
+        state.unpaused.set()
+        rt.resume()
+        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+    @routes.route("*", "/flush_cache")
+    async def flush_cache(request: web.Request) -> web.Response:
+        if request.method == "POST" and (refused := _fenced(state, request)) is not None:
+            return refused
+        if not rt.idle:
+            return web.Response(status=400, text="Flush cache failed: there are running or waiting requests.\n")
+        rt.flush_cache()
+        return web.Response(text="Cache flushed.\n")
+
+    @routes.post("/pd_role_switch")
+    async def pd_role_switch(request: web.Request) -> web.Response:
+        if (refused := _fenced(state, request)) is not None:
+            return refused
+        body = await _body(request)
+        old, new = rt.role.value, str(body.get("new_role") or "").lower()
+
+        def fail(message: str) -> web.Response:
+            return web.json_response({"success": False, "message": message, "old_role": old, "new_role": new,
+                                      "safe_to_restore": True}, status=400)
+
+        if not cfg.enable_pd_role_switch:
+            return fail("--enable-pd-role-switch is not set on this server")
+        if state.switching:
+            return fail("another role switch is already in progress")
+        if new not in ("prefill", "decode"):
+            return fail(f"invalid new_role={new!r}")
+        if rt.role is Role.COLOCATED:
+            return fail("instance is not running in PD disaggregation mode")
+        if new == old:
+            return web.json_response({"success": True, "message": "already in target role", "old_role": old,
+                                      "new_role": new, "safe_to_restore": False})
+        if not rt.idle or state.held:
+            return fail("instance is not idle; drain all requests before switching")
+        if body.get("prepare_only"):
+            return web.json_response({"success": True, "message": "ready", "old_role": old, "new_role": new,
+                                      "safe_to_restore": True})
+        state.switching = True
+        try:
+            rt.set_role(Role(new))
+            await rt.sleep_sim(cfg.role_switch_s)
+        finally:
+            state.switching = False
+        return web.json_response({"success": True, "message": "ok", "old_role": old, "new_role": new,
+                                  "safe_to_restore": False})
+
+    def tags_of(body: dict[str, Any]) -> set[str] | web.Response:
+        tags = body.get("tags") or list(MEMORY_TAGS)
+        unknown = set(tags) - set(MEMORY_TAGS)
+        if unknown:
+            return _error(400, f"tags: unknown {sorted(unknown)}; known: {list(MEMORY_TAGS)}")
+        return set(tags)
+
+    @routes.post("/release_memory_occupation")
+    async def release_memory(request: web.Request) -> web.Response:
+        if (refused := _fenced(state, request)) is not None:
+            return refused
+        tags = tags_of(await _body(request, required=False))
+        if isinstance(tags, web.Response):
+            return tags
+        if not cfg.enable_memory_saver:
+            return _error(400, "release_memory_occupation needs --enable-memory-saver")
+        if not rt.idle or state.held:
+            return _error(400, "the server has running or waiting requests: drain it before releasing memory")
+        if "kv_cache" in tags:
+            rt.flush_cache()
+        state.released |= tags
+        await rt.sleep_sim(cfg.memory_s)
+        return web.json_response({"success": True, "released": sorted(state.released)})
+
+    @routes.post("/resume_memory_occupation")
+    async def resume_memory(request: web.Request) -> web.Response:
+        if (refused := _fenced(state, request)) is not None:
+            return refused
+        tags = tags_of(await _body(request, required=False))
+        if isinstance(tags, web.Response):
+            return tags
+        await rt.sleep_sim(cfg.memory_s)
+        state.released -= tags
+        return web.json_response({"success": True, "released": sorted(state.released)})
+
+    @routes.post("/update_weights_from_disk")
+    async def update_weights(request: web.Request) -> web.Response:
+        if (refused := _fenced(state, request)) is not None:
+            return refused
+        body = await _body(request)
+        path = body.get("model_path")
+        if not isinstance(path, str) or not path:
+            return web.json_response({"success": False, "message": "model_path: required",
+                                      "num_paused_requests": 0}, status=400)
+        async with state.weights_lock:
+            if body.get("abort_all_requests"):
+                rt.interrupt("Aborted by update_weights_from_disk")
+            try:
+                snap = await asyncio.to_thread(load_snapshot, path)
+            except SnapshotError as exc:
+                return web.json_response({"success": False, "num_paused_requests": 0,
+                                          "message": f"Failed to update weights: {exc}; kept version "
+                                                     f"{state.weight_version}"}, status=400)
+            rt.pause(rt.now() + cfg.weight_load_s)
+            await rt.sleep_sim(cfg.weight_load_s)
+            state.model_path = path
+            if body.get("weight_version") is not None:
+                state.weight_version = str(body["weight_version"])
+            if body.get("flush_cache", True) and rt.idle:
+                rt.flush_cache()
+        return web.json_response({"success": True, "num_paused_requests": 0,
+                                  "message": f"Succeeded to update model weights ({snap.tensors} tensors, "
+                                             f"{snap.checked} checksums verified)."})
+
+    app = web.Application(client_max_size=256 * 1024 * 1024)
+    app.add_routes(routes)
+    return app
+
+
+def _perf(cfg: SimConfig) -> PerfModel:
+    catalog = default_catalog()
+    return PerfModel(catalog.model(cfg.model), catalog.gpu(cfg.gpu), cfg.tp)
+
+
+async def serve(cfg: SimConfig) -> None:
+    """Run one simulated server until SIGTERM or SIGINT."""
+    perf = _perf(cfg)
+    model_path = cfg.model_path or cfg.run_dir or str(Path.cwd())
+    if cfg.model_path:
+        snap = load_snapshot(cfg.model_path)  # a corrupt snapshot fails the start, naming the tensor
+        print(f"weights: {snap.path} ({snap.tensors} tensors, {snap.checked} checksums verified)", file=sys.stderr)
+    rt = RealtimeEngine(perf, cfg.role, cfg.speed, cfg.worker_id, cfg.capacity)
+    state = SimState(cfg, rt, model_path, cfg.weight_version, cfg.fence, ready_at=cfg.startup_s)
+    state.unpaused.set()
+    runner = web.AppRunner(build_app(state), handle_signals=False, shutdown_timeout=5.0, access_log=None)
+    await runner.setup()
+    ports = [cfg.port] + ([cfg.bootstrap_port] if cfg.bootstrap_port else [])
+    for port in ports:
+        await web.TCPSite(runner, cfg.host, port, reuse_address=True).start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    print(f"simworker {cfg.worker_id} ({cfg.role.value}, {cfg.model} tp{cfg.tp} on {cfg.gpu}, speed {cfg.speed}) "
+          f"serving on http://{cfg.host}:{cfg.port}" + (f", bootstrap port {cfg.bootstrap_port}"
+                                                         if cfg.bootstrap_port else ""), file=sys.stderr, flush=True)
+    await stop.wait()
+    state.stopping = True
+    state.unpaused.set()
+    aborted = rt.interrupt("the server is shutting down")
+    print(f"simworker {cfg.worker_id}: SIGTERM, {aborted} in-flight requests answered as aborted",
+          file=sys.stderr, flush=True)
+    await asyncio.sleep(0.05)  # let the aborted handlers write their answers
+    await runner.cleanup()
+    await rt.close()
+
+
+def config_dict(cfg: SimConfig) -> dict[str, Any]:
+    return {**asdict(cfg), "role": cfg.role.value}

@@ -1,0 +1,70 @@
+"""`pearlctl router`: the front door (agents/router.py) over two real sglang-router processes."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from pearl.controlplane.errors import BadInput, PearlError
+
+from .common import emit_json, handle_errors, out
+
+router_app = typer.Typer(help="The front door: one client address over the sglang routers.", no_args_is_help=True)
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(router_app, name="router")
+
+
+@router_app.command("serve")
+@handle_errors
+def serve(
+    port: Annotated[int, typer.Option(help="The clients' address (port).")] = 30000,
+    host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
+    mode: Annotated[str, typer.Option(help="Initial mode: colocated or split.")] = "colocated",
+    run_dir: Annotated[Path | None, typer.Option(help="State and router logs (default ./frontdoor).")] = None,
+    hold_s: Annotated[float, typer.Option(help="How long a request may wait for workers of the mode.")] = 120.0,
+    max_held: Annotated[int, typer.Option(help="Requests held at once before refusing.")] = 4096,
+) -> None:
+    """Run the front door and its routers until SIGTERM."""
+    from pearl.agents.router import MODES, FrontDoorConfig
+    from pearl.agents.router import serve as run
+
+    if mode not in MODES:
+        raise BadInput(f"--mode: one of {', '.join(MODES)}, not {mode!r}")
+    if not 0 < port < 65536:
+        raise BadInput(f"--port: a TCP port (1-65535), not {port}")
+    if hold_s < 0 or max_held < 0:
+        raise BadInput("--hold-s, --max-held: not negative")
+    cfg = FrontDoorConfig(port=port, host=host, mode=mode, run_dir=str(run_dir) if run_dir else None,
+                          hold_s=hold_s, max_held=max_held)
+    try:
+        asyncio.run(run(cfg))
+    except RuntimeError as exc:
+        raise PearlError(str(exc)) from None
+
+
+@router_app.command("state")
+@handle_errors
+def state(
+    url: Annotated[str, typer.Option(help="The front door.")] = "http://127.0.0.1:30000",
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """The front door's mode and the workers each router lists."""
+    from pearl.agents.router_client import FrontDoorClient
+
+    with FrontDoorClient(url) as client:
+        st = client.state()
+    if as_json:
+        emit_json(st)
+        return
+    out.print(f"front door {st['url']}: mode {st['mode']}, {st['inflight']} in flight, {st['held']} held")
+    for mode, child in st["children"].items():
+        workers = ", ".join(f"{w['url']} ({w['worker_type']})" for w in child["workers"]) or "none"
+        out.print(f"  {mode} router {child['url']} (pid {child['pid']}): {workers}")
+
+
+if __name__ == "__main__":  # `python -m pearl.cli.router serve ...` is `pearlctl router serve ...`, faster to start
+    router_app()

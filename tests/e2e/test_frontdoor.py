@@ -1,0 +1,186 @@
+"""The front door with its two real sglang-router children and simulated servers, all as processes.
+
+A steady stream of multi-turn trajectories runs through the front door while the calls a plan's
+steps make switch the fleet colocated -> 2P2D -> 1P3D -> colocated (drain = deregister and wait idle,
+interrupt = pause abort, stop, start, register, role switch in place after a drain, mode switch):
+no request fails, and each server's /model_info and /v1/loads follow its role."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+from pearl.agents.drivers.sim import SimDriver
+from pearl.agents.server_client import ServerClient
+from pearl.controlplane.core.domain import Role
+from workers_support import SPEED, Load, spec, start_front_door, wait_gone
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture
+def driver(tmp_path):
+    d = SimDriver(tmp_path / "node", speed=SPEED)
+    yield d
+    for server in d.servers():
+        d.stop(server.worker_id, grace_s=5)
+
+
+@pytest.fixture
+def door(tmp_path):
+    fd = start_front_door(tmp_path / "frontdoor")
+    yield fd
+    children = fd.children()
+    fd.stop()
+    assert fd.proc.returncode == 0
+    assert wait_gone(children), "a router outlived the front door"
+
+
+def check_role(server, role: Role) -> None:
+    client = ServerClient(server.endpoint)
+    expected = "null" if role is Role.COLOCATED else role.value
+    assert client.model_info()["disaggregation_mode"] == expected
+    assert client.loads()[0]["disaggregation"]["mode"] == expected
+
+
+def start(driver, worker: int, role: Role, generation: int):
+    server = driver.launch(spec(worker, role, generation=generation, fence=generation))
+    driver.wait_ready(server, 60)
+    check_role(server, role)
+    return server
+
+
+def drain(front, server) -> None:
+    front.deregister(server.endpoint)
+    ServerClient(server.endpoint).wait_idle(60)
+
+
+def interrupt(front, server, fence: int) -> None:
+    front.deregister(server.endpoint)
+    ServerClient(server.endpoint, fence=fence).pause_generation("abort")
+
+
+@pytest.mark.slow  # ~25 s: eight restarts, a flip and two mode switches under load
+def test_switching_colocated_2p2d_1p3d_colocated_fails_no_request(driver, door):
+    front = door.client
+    gen = {w: 1 for w in range(4)}
+    servers = {w: start(driver, w, Role.COLOCATED, 1) for w in range(4)}
+    for s in servers.values():
+        front.register(s.endpoint, Role.COLOCATED)
+    load = Load(door.url, trajectories=12).start()
+    try:
+        load.wait_turns(30)
+
+        # colocated -> 2P2D: two workers restart split, the mode flips, then the other two follow
+        for w in (2, 3):
+            drain(front, servers[w])
+            driver.stop(w, grace_s=5)
+        gen[2] = gen[3] = 2
+        servers[2] = start(driver, 2, Role.PREFILL, 2)
+        servers[3] = start(driver, 3, Role.DECODE, 2)
+        front.register(servers[2].endpoint, Role.PREFILL, servers[2].bootstrap_port)
+        front.register(servers[3].endpoint, Role.DECODE)
+        front.set_mode("split")
+        interrupt(front, servers[0], fence=2)  # interrupted: its requests come back aborted and are resubmitted
+        drain(front, servers[1])
+        for w in (0, 1):
+            driver.stop(w, grace_s=5)
+        servers[0] = start(driver, 0, Role.PREFILL, 2)
+        servers[1] = start(driver, 1, Role.DECODE, 2)
+        front.register(servers[0].endpoint, Role.PREFILL, servers[0].bootstrap_port)
+        front.register(servers[1].endpoint, Role.DECODE)
+        state = front.state()
+        assert state["mode"] == "split"
+        assert sorted(w["worker_type"] for w in state["children"]["split"]["workers"]) == ["decode", "decode",
+                                                                                            "prefill", "prefill"]
+        assert state["children"]["colocated"]["workers"] == []
+        load.wait_turns(30)
+
+        # 2P2D -> 1P3D: prefill 2 drains and flips to decode in place
+        drain(front, servers[2])
+        assert ServerClient(servers[2].endpoint, fence=3).pd_role_switch("decode")["new_role"] == "decode"
+        check_role(servers[2], Role.DECODE)
+        front.register(servers[2].endpoint, Role.DECODE)
+        assert sorted(w["worker_type"] for w in front.state()["children"]["split"]["workers"]) == [
+            "decode", "decode", "decode", "prefill"]
+        load.wait_turns(30)
+
+        # 1P3D -> colocated: two decode workers restart colocated, the mode flips back, the rest follow
+        for w in (1, 3):
+            drain(front, servers[w])
+            driver.stop(w, grace_s=5)
+            servers[w] = start(driver, w, Role.COLOCATED, 3)
+            front.register(servers[w].endpoint, Role.COLOCATED)
+        front.set_mode("colocated")
+        for w in (0, 2):
+            drain(front, servers[w])
+            driver.stop(w, grace_s=5)
+            servers[w] = start(driver, w, Role.COLOCATED, 3)
+            front.register(servers[w].endpoint, Role.COLOCATED)
+        load.wait_turns(30)
+    finally:
+        load.stop()
+    assert load.failures == []
+    assert load.routers.get("colocated", 0) > 0 and load.routers.get("split", 0) > 0
+    state = front.state()
+    assert state["mode"] == "colocated" and state["failed"] == 0
+    assert len(state["children"]["colocated"]["workers"]) == 4 and state["children"]["split"]["workers"] == []
+    for s in servers.values():
+        assert ServerClient(s.endpoint).is_idle()
+
+
+def test_requests_are_held_until_a_worker_serves_and_aborts_are_resubmitted(driver, door):
+    front = door.client
+    box: dict = {}
+
+    def ask():
+        box["r"] = httpx.post(door.url + "/generate", timeout=60,
+                              json={"input_ids": list(range(1, 200)), "sampling_params": {"max_new_tokens": 20000}})
+
+    t = threading.Thread(target=ask)
+    t.start()
+    time.sleep(0.5)
+    assert front.state()["held"] == 1  # no worker yet: held, not failed
+    first = start(driver, 0, Role.COLOCATED, 1)
+    front.register(first.endpoint, Role.COLOCATED)
+    client = ServerClient(first.endpoint, fence=1)
+    while client.is_idle():
+        time.sleep(0.01)
+    second = start(driver, 1, Role.COLOCATED, 1)
+    front.register(second.endpoint, Role.COLOCATED)
+    interrupt(front, first, fence=1)  # the turn goes on on the other worker with what it generated
+    t.join(60)
+    answer = box["r"].json()
+    assert box["r"].status_code == 200 and len(answer["output_ids"]) == 20000
+    assert answer["meta_info"]["pearl"]["resubmitted"] >= 1 and answer["meta_info"]["pearl"]["kept_tokens"] > 0
+    assert answer["meta_info"]["completion_tokens"] == 20000 and answer["meta_info"]["prompt_tokens"] == 199
+
+
+@pytest.mark.slow  # ~12 s: two front doors, four routers
+def test_a_restarted_front_door_registers_its_workers_again_and_sigkill_leaves_no_router(driver, tmp_path):
+    fd = start_front_door(tmp_path / "fd2")
+    server = start(driver, 0, Role.COLOCATED, 1)
+    fd.client.register(server.endpoint, Role.COLOCATED)
+    children = fd.children()
+    assert len(children) >= 2
+    os.kill(fd.proc.pid, signal.SIGKILL)
+    fd.proc.wait()
+    assert wait_gone(children), "a router outlived a SIGKILLed front door"
+    again = start_front_door(tmp_path / "fd2", port=int(fd.url.rsplit(":", 1)[1]))
+    try:
+        state = again.client.state()
+        assert [w["url"] for w in state["children"]["colocated"]["workers"]] == [server.endpoint]
+        resp = httpx.post(again.url + "/generate", timeout=30,
+                          json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4}})
+        assert resp.status_code == 200 and len(resp.json()["output_ids"]) == 4
+        # what an agent sends to bring it in line with the database: exactly these workers, this mode
+        synced = again.client.sync("colocated", [])
+        assert synced["children"]["colocated"]["workers"] == []
+    finally:
+        children = again.children()
+        again.stop()
+        assert again.proc.returncode == 0 and wait_gone(children)

@@ -1,0 +1,228 @@
+"""The simulated SGLang server as real processes (launched by the sim driver): what the agent's steps
+rely on. Memory release and resume, fencing, pause/abort with partial tokens, role switch only when
+idle, weights from a checked snapshot, SIGTERM and SIGKILL, adoption of a running server by a new
+driver, and a launch that dies reported with its log."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+from pearl.agents.drivers.base import DriverError, WeightsRef
+from pearl.agents.drivers.sim import SimDriver
+from pearl.agents.server_client import ServerClient
+from pearl.agents.snapshot import write_snapshot
+from pearl.controlplane.core.catalog import default_catalog
+from pearl.controlplane.core.domain import Role
+from pearl.controlplane.core.perfmodel import PerfModel
+from workers_support import SPEED, spec, wait_gone
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture
+def driver(tmp_path):
+    d = SimDriver(tmp_path / "run", speed=SPEED, extra_args=("--weight-load-s", "1", "--role-switch-s", "1"))
+    yield d
+    for server in d.servers():
+        d.stop(server.worker_id, grace_s=5)
+
+
+def generate(server, tokens: int, prompt: int = 100) -> dict:
+    resp = httpx.post(server.endpoint + "/generate", timeout=60,
+                      json={"input_ids": list(range(1, prompt + 1)), "sampling_params": {"max_new_tokens": tokens}})
+    return {"status": resp.status_code, **resp.json()}
+
+
+def in_background(fn, *args) -> tuple[threading.Thread, dict]:
+    box: dict = {}
+    t = threading.Thread(target=lambda: box.update(result=fn(*args)), daemon=True)
+    t.start()
+    return t, box
+
+
+def test_generation_is_timed_by_the_performance_model_and_loads_report_it(driver):
+    server = driver.launch(spec(1, Role.COLOCATED))
+    driver.wait_ready(server, 60)
+    client = ServerClient(server.endpoint)
+    assert client.model_info()["disaggregation_mode"] == "null"
+    assert client.is_idle()
+    t, box = in_background(generate, server, 2000)
+    deadline = time.monotonic() + 10
+    while client.loads()[0]["num_running_reqs"] == 0:  # /v1/loads sees it running
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert not client.is_idle()
+    t.join(60)
+    answer = box["result"]
+    assert answer["status"] == 200 and len(answer["output_ids"]) == 2000
+    assert answer["meta_info"]["finish_reason"] == {"type": "length", "length": 2000}
+    perf = PerfModel(default_catalog().model("qwen3-8b"), default_catalog().gpu("h100"), 1)
+    floor = 2000 * perf.decode_step_time(1, 100) / SPEED  # at least the model's decode time, compressed
+    assert answer["meta_info"]["e2e_latency"] >= 0.9 * floor
+    assert client.is_idle()
+    # the next turn of the same trajectory finds its prefix cached on this server
+    ids = list(range(1, 101)) + answer["output_ids"] + [7, 7, 7]
+    again = httpx.post(server.endpoint + "/generate", timeout=60,
+                       json={"input_ids": ids, "sampling_params": {"max_new_tokens": 5}}).json()
+    assert again["meta_info"]["cached_tokens"] >= 2000
+
+
+def test_memory_release_refuses_work_and_resume_restores_it(driver):
+    server = driver.launch(spec(2, Role.COLOCATED, overlap=True))
+    driver.wait_ready(server, 60)
+    client = ServerClient(server.endpoint, fence=3)
+    client.release_memory_occupation()
+    assert generate(server, 10)["status"] == 503
+    assert not client.health()
+    client.resume_memory_occupation()
+    assert client.health()
+    assert generate(server, 10)["status"] == 200
+
+
+def test_release_needs_the_memory_saver_and_an_idle_server(driver):
+    plain = driver.launch(spec(3, Role.COLOCATED))
+    saver = driver.launch(spec(4, Role.COLOCATED, overlap=True))
+    driver.wait_ready(plain, 60)
+    driver.wait_ready(saver, 60)
+    with pytest.raises(DriverError, match="enable-memory-saver"):
+        ServerClient(plain.endpoint).release_memory_occupation()
+    t, _ = in_background(generate, saver, 3000)
+    client = ServerClient(saver.endpoint)
+    while client.is_idle():
+        time.sleep(0.01)
+    with pytest.raises(DriverError, match="drain it"):
+        client.release_memory_occupation()
+    t.join(60)
+
+
+def test_older_fences_are_refused_and_change_nothing(driver):
+    server = driver.launch(spec(5, Role.PREFILL, fence=7))
+    driver.wait_ready(server, 60)
+    with pytest.raises(DriverError, match="409.*fence 6 is older than 7"):
+        ServerClient(server.endpoint, fence=6).pd_role_switch("decode")
+    assert ServerClient(server.endpoint).model_info()["disaggregation_mode"] == "prefill"
+    ServerClient(server.endpoint, fence=8).pd_role_switch("decode")
+    with pytest.raises(DriverError, match="409"):
+        ServerClient(server.endpoint, fence=7).pause_generation()
+    assert ServerClient(server.endpoint).model_info()["disaggregation_mode"] == "decode"
+
+
+def test_pause_abort_returns_the_tokens_generated_so_far(driver):
+    server = driver.launch(spec(6, Role.COLOCATED))
+    driver.wait_ready(server, 60)
+    client = ServerClient(server.endpoint, fence=1)
+    t, box = in_background(generate, server, 50000)
+    time.sleep(0.4)
+    assert client.pause_generation("abort")["status"] == "ok"
+    t.join(30)
+    answer = box["result"]
+    assert answer["status"] == 200
+    assert answer["meta_info"]["finish_reason"]["type"] == "abort"
+    assert 0 < len(answer["output_ids"]) == answer["meta_info"]["completion_tokens"] < 50000
+    t2, box2 = in_background(generate, server, 5)  # paused: held, not refused
+    time.sleep(0.2)
+    assert "result" not in box2
+    client.continue_generation()
+    t2.join(30)
+    assert box2["result"]["status"] == 200 and len(box2["result"]["output_ids"]) == 5
+
+
+def test_role_switch_only_when_idle_and_only_between_split_roles(driver):
+    colocated = driver.launch(spec(7, Role.COLOCATED))
+    decode = driver.launch(spec(8, Role.DECODE))
+    driver.wait_ready(colocated, 60)
+    driver.wait_ready(decode, 60)
+    with pytest.raises(DriverError, match="enable-pd-role-switch is not set"):  # colocated: launched without it
+        ServerClient(colocated.endpoint).pd_role_switch("prefill")
+    # a decode half waiting for its KV keeps the server busy: no switch (its prefill server never answers)
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    t, box = in_background(lambda: httpx.post(decode.endpoint + "/generate", timeout=60, json={
+        "input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 5}, "bootstrap_host": "127.0.0.1",
+        "bootstrap_port": silent.getsockname()[1], "bootstrap_room": 42}).json())
+    client = ServerClient(decode.endpoint)
+    deadline = time.monotonic() + 10
+    while client.is_idle():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    with pytest.raises(DriverError, match="not idle; drain all requests"):
+        client.pd_role_switch("prefill")
+    silent.close()  # the KV pull fails: the decode half is answered aborted
+    t.join(30)
+    assert box["result"]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert client.is_idle()
+    started = time.monotonic()
+    answer = client.pd_role_switch("prefill")
+    assert answer["success"] and answer["old_role"] == "decode" and answer["new_role"] == "prefill"
+    assert time.monotonic() - started >= 1 / SPEED * 0.9
+    assert client.model_info()["disaggregation_mode"] == "prefill"
+    assert client.loads()[0]["disaggregation"]["mode"] == "prefill"
+
+
+def test_weights_from_a_checked_snapshot_and_a_corrupt_one_refused(driver, tmp_path):
+    good = write_snapshot(tmp_path / "v2", {"model.embed": b"\x01" * 64, "model.layers.0.w": b"\x02" * 32})
+    bad = write_snapshot(tmp_path / "v3", {"model.embed": b"\x01" * 64, "model.layers.0.w": b"\x02" * 32})
+    data = (bad / "model.safetensors").read_bytes()
+    (bad / "model.safetensors").write_bytes(data[:-1] + b"\x00")  # last byte of model.layers.0.w flipped
+    server = driver.launch(spec(9, Role.COLOCATED, weights=WeightsRef(1, str(good))))
+    driver.wait_ready(server, 60)
+    client = ServerClient(server.endpoint, fence=2)
+    assert client.model_info()["weight_version"] == "1"
+    client.update_weights_from_disk(str(good), weight_version=2)
+    assert client.model_info()["weight_version"] == "2"
+    with pytest.raises(DriverError, match="tensor model.layers.0.w: checksum mismatch"):
+        client.update_weights_from_disk(str(bad), weight_version=3)
+    info = client.model_info()
+    assert info["weight_version"] == "2" and info["model_path"] == str(good)
+    assert generate(server, 5)["meta_info"]["weight_version"] == "2"
+
+
+def test_a_launch_that_dies_is_reported_with_its_last_log_lines(driver, tmp_path):
+    bad = write_snapshot(tmp_path / "torn", {"model.embed": b"\x01" * 64})
+    data = (bad / "model.safetensors").read_bytes()
+    (bad / "model.safetensors").write_bytes(data[:-10])
+    server = driver.launch(spec(10, Role.COLOCATED, weights=WeightsRef(4, str(bad))))
+    with pytest.raises(DriverError, match=r"exited before it was ready(.|\n)*tensor model.embed.*truncated"):
+        driver.wait_ready(server, 60)
+    assert driver.running(10) is None
+
+
+def test_sigterm_answers_in_flight_requests_and_exits_cleanly(driver):
+    server = driver.launch(spec(11, Role.COLOCATED))
+    driver.wait_ready(server, 60)
+    t, box = in_background(generate, server, 50000)
+    time.sleep(0.3)
+    assert driver.stop(11, grace_s=10)
+    t.join(30)
+    assert box["result"]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert len(box["result"]["output_ids"]) > 0
+    assert "SIGTERM, 1 in-flight requests answered as aborted" in Path(server.log_path).read_text()
+    assert driver.running(11) is None and not driver.stop(11)
+
+
+def test_sigkill_leaves_nothing_and_a_new_driver_adopts_running_servers(driver, tmp_path):
+    a = driver.launch(spec(12, Role.COLOCATED))
+    b = driver.launch(spec(13, Role.PREFILL))
+    driver.wait_ready(a, 60)
+    driver.wait_ready(b, 60)
+    assert driver.launch(spec(12, Role.COLOCATED)) == a  # idempotent for the same generation
+    again = SimDriver(driver.run_dir, speed=SPEED)  # a restarted agent on the node
+    assert {s.worker_id for s in again.servers()} == {12, 13}
+    os.kill(a.pid, signal.SIGKILL)
+    assert wait_gone([a.pid])
+    assert again.running(12) is None
+    assert not psutil.pid_exists(a.pid) or psutil.Process(a.pid).status() == psutil.STATUS_ZOMBIE
+    newer = again.launch(spec(13, Role.DECODE, generation=2))  # a newer generation replaces the old server
+    assert wait_gone([b.pid])
+    again.wait_ready(newer, 60)
+    assert ServerClient(newer.endpoint).model_info()["disaggregation_mode"] == "decode"
+    assert again.stop(13, grace_s=5)
