@@ -32,8 +32,10 @@ def _register() -> None:
     event.register(app)
     profile.register(app)
     reap.register(app)
-    from pearl.cli import router, simworker
+    from pearl.cli import agent, demo, router, simworker
 
+    agent.register(app)
+    demo.register(app)
     simworker.register(app)
     router.register(app)
 

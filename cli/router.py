@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import threading
 from pathlib import Path
 from typing import Annotated
 
@@ -27,6 +29,8 @@ def serve(
     run_dir: Annotated[Path | None, typer.Option(help="State and router logs (default ./frontdoor).")] = None,
     hold_s: Annotated[float, typer.Option(help="How long a request may wait for workers of the mode.")] = 120.0,
     max_held: Annotated[int, typer.Option(help="Requests held at once before refusing.")] = 4096,
+    register_in_db: Annotated[bool, typer.Option(
+        "--register/--no-register", help="Record it in pearl's database, where the agents find it.")] = True,
 ) -> None:
     """Run the front door and its routers until SIGTERM."""
     from pearl.agents.router import MODES, FrontDoorConfig
@@ -40,10 +44,44 @@ def serve(
         raise BadInput("--hold-s, --max-held: not negative")
     cfg = FrontDoorConfig(port=port, host=host, mode=mode, run_dir=str(run_dir) if run_dir else None,
                           hold_s=hold_s, max_held=max_held)
+    engine = None
+    if register_in_db:
+        from pearl.controlplane.store.db import make_engine, require_schema
+
+        engine = make_engine()
+        require_schema(engine)
+        threading.Thread(target=_register_when_listening, args=(engine, cfg), daemon=True).start()
     try:
         asyncio.run(run(cfg))
     except RuntimeError as exc:
         raise PearlError(str(exc)) from None
+    finally:
+        if engine is not None:
+            from pearl.controlplane.store.routers import router_stopped
+
+            router_stopped(engine, pid=os.getpid())
+            engine.dispose()
+
+
+def _register_when_listening(engine: object, cfg: object, timeout_s: float = 120.0) -> None:
+    """Record the front door in pearl's database (`routers`), where the agents find it, once it
+    answers: an agent never registers a worker with a front door that is not listening yet."""
+    import time
+
+    import httpx
+    from pearl.controlplane.store.routers import register_router
+
+    url = f"http://{cfg.host}:{cfg.port}"  # type: ignore[attr-defined]
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/pearl/state", timeout=2.0).status_code == 200:
+                register_router(engine, url=url, admin_url=url, host=cfg.host,  # type: ignore[arg-type,attr-defined]
+                                pid=os.getpid(), mode=cfg.mode)  # type: ignore[attr-defined]
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
 
 
 @router_app.command("state")

@@ -181,3 +181,20 @@ def require_schema(engine: Engine) -> None:
     head = head_revision()
     if current != head:
         raise SchemaMissing(f"{redact_url(engine.url)} is at schema {current}, not {head}: run `pearlctl init`")
+
+
+def recreate_database(url: str, name: str) -> str:
+    """Drop (forcing its connections out) and create database `name` on `url`'s server; its URL."""
+    if not name.replace("_", "").isalnum():
+        raise BadInput(f"database name: letters, digits and underscores only, not {name!r}")
+    admin = create_engine(make_url(url).set(database="postgres"), isolation_level="AUTOCOMMIT",
+                          connect_args={"connect_timeout": _CONNECT_TIMEOUT_S})
+    try:
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+            conn.execute(text(f'CREATE DATABASE "{name}"'))
+    except DBAPIError as exc:
+        raise _unavailable(admin, exc) from None
+    finally:
+        admin.dispose()
+    return make_url(url).set(database=name).render_as_string(hide_password=False)

@@ -147,3 +147,23 @@ def read_fleet_status(engine: Engine) -> dict[str, Any]:
     """`fleet_status` in a REPEATABLE READ transaction of its own: every figure at one state_version."""
     with transaction(engine, isolation_level="REPEATABLE READ") as session:
         return fleet_status(session)
+
+
+def run_summary(engine: Engine) -> dict[str, Any]:
+    """What a run of the live system did (the `run_summary` query): plans applied, weight loads,
+    borrowed GPUs returned and late, training steps and how long late returns delayed them."""
+    from pearl.controlplane.store.queries import query
+
+    with transaction(engine) as session:
+        row = session.execute(query("run_summary")).mappings().one()
+    return {k: (float(v) if k.endswith("_s") else int(v)) for k, v in row.items()}
+
+
+def activity_timeline(engine: Engine) -> list[dict[str, Any]]:
+    """Every change of a worker's activity or role, in order (the `worker_roles_history` view)."""
+    from sqlalchemy import text
+
+    with transaction(engine) as session:
+        rows = session.execute(text(
+            "SELECT at, worker_id, zone, role, activity FROM worker_roles_history ORDER BY event_id")).mappings()
+        return [dict(r) for r in rows]

@@ -55,7 +55,9 @@ from sqlalchemy import Engine, func, insert, select, update
 from sqlalchemy.orm import Session
 
 UNFINISHED = (StepStatus.BLOCKED, StepStatus.READY)  # cancelled when the plan fails (running ones stop)
-NOT_DONE = (StepStatus.BLOCKED, StepStatus.READY, StepStatus.RUNNING, StepStatus.FAILED, StepStatus.CANCELLED)
+# Steps that keep an applying plan from succeeding (a step cancelled by `amend_release` does not: the
+# amendment replaced it).
+NOT_DONE = (StepStatus.BLOCKED, StepStatus.READY, StepStatus.RUNNING, StepStatus.FAILED)
 
 
 class NoPlan(BadInput):
@@ -174,13 +176,22 @@ def write_plan(session: Session, plan: fleet.Plan, decision_id: int | None) -> i
 
 def _insert(session: Session, row: PlanRow, steps: tuple[fleet.PlanStep, ...]) -> None:
     """The plan row, its steps (`pending` = how many steps each waits for) and one dependency row per edge."""
+    session.add(row)
+    session.flush()
+    _insert_steps(session, row, steps, {})
+
+
+def _insert_steps(session: Session, row: PlanRow, steps: tuple[fleet.PlanStep, ...], existing: dict[str, int]) -> None:
+    """Steps of plan `row`, which may wait for its `existing` steps (key -> id) as well as for each other;
+    `pending` counts the dependencies not yet succeeded."""
     nodes = {name: node_id for name, node_id in session.execute(select(Node.name, Node.id))}
     missing = sorted({s.node for s in steps} - nodes.keys())
     if missing:
         raise BadInput(f"plan.steps.node: unknown node(s) {missing}")
-    _check_steps(steps, {w: n for w, n in session.execute(select(Worker.id, Worker.node_id))}, nodes)
-    session.add(row)
-    session.flush()
+    _check_steps(steps, {w: n for w, n in session.execute(select(Worker.id, Worker.node_id))}, nodes,
+                 set(existing))
+    done = set(session.scalars(select(StepRow.key).where(
+        StepRow.plan_id == row.id, StepRow.status == StepStatus.SUCCEEDED))) if existing else set()
     ids = dict(session.execute(
         insert(StepRow).returning(StepRow.key, StepRow.id, sort_by_parameter_order=True),
         [
@@ -193,21 +204,23 @@ def _insert(session: Session, row: PlanRow, steps: tuple[fleet.PlanStep, ...]) -
                 "args": json.loads(json.dumps(json_safe(dict(s.args)))),
                 "expansion_group": f"plan{row.id}.{s.group}" if s.group else None,
                 "depends_on": list(s.after),
-                "pending": len(set(s.after)),
-                "status": row.status is PlanStatus.APPLYING and not s.after and StepStatus.READY or StepStatus.BLOCKED,
+                "pending": len(set(s.after) - done),
+                "status": StepStatus.BLOCKED,
             }
             for s in steps
         ],
     ).all())
-    edges = [{"step_id": ids[s.key], "after_id": ids[k]} for s in steps for k in dict.fromkeys(s.after)]
+    every = {**existing, **ids}
+    edges = [{"step_id": ids[s.key], "after_id": every[k]} for s in steps for k in dict.fromkeys(s.after)]
     if edges:
         session.execute(insert(PlanStepDep), edges)
 
 
-def _check_steps(steps: tuple[fleet.PlanStep, ...], worker_nodes: dict[int, int], nodes: dict[str, int]) -> None:
+def _check_steps(steps: tuple[fleet.PlanStep, ...], worker_nodes: dict[int, int], nodes: dict[str, int],
+                 existing: set[str] | None = None) -> None:
     """Refuse a plan that could never finish: a step waiting for a key the plan does not have, or
     for itself through a cycle, or addressed to a node its worker does not live on."""
-    keys = {s.key for s in steps}
+    keys = {s.key for s in steps} | (existing or set())
     for s in steps:
         unknown = [k for k in s.after if k not in keys]
         if unknown:
@@ -456,7 +469,72 @@ def _write_cleanup(session: Session, failed_id: int, workers: tuple[int, ...]) -
     row = PlanRow(base_version=version, status=PlanStatus.APPLYING, applied_at=func.now(), cleans_up=failed_id,
                   d_worker=len(rows), d_role=0)
     _insert(session, row, tuple(steps))
+    _settle(session, list(session.scalars(select(StepRow.id).where(
+        StepRow.plan_id == row.id, StepRow.status == StepStatus.BLOCKED, StepRow.pending == 0))))
     return row.id
+
+
+@dataclass(frozen=True)
+class Amendment:
+    """What `amend_release` changed in an applying plan."""
+
+    plan_id: int
+    release: tuple[int, ...]  # workers the amendment drains and releases
+    cancelled: tuple[str, ...]  # steps it cancelled (never run)
+    added: tuple[str, ...]  # the steps it added
+
+
+def amend_release(session: Session, plan_id: int, workers: set[int], reason: str) -> Amendment:
+    """Release `workers` now, inside the applying plan, instead of aborting it (shrinking is urgent:
+    borrowed GPUs the trainer wants back, GPUs under a revocation notice).
+
+    Their steps not yet run are cancelled; an expansion group one of them belongs to can no longer be
+    admitted as a whole, so its barrier and admits are cancelled and its other members are released
+    too (all-or-nothing, invariant 6); so is every step that waited, directly or not, for a
+    cancelled one. Each released worker gets a drain -> interrupt -> release chain, after its step
+    still running (a start finishes, then gives its GPUs back). The rest of the plan goes on."""
+    lock_fleet(session)
+    plan = _locked_plan(session, plan_id)
+    if plan.status is not PlanStatus.APPLYING:
+        raise PlanNotApplicable(f"plan {plan_id} is {plan.status.value}; only an applying plan is amended")
+    steps = session.scalars(select(StepRow).where(StepRow.plan_id == plan_id).order_by(StepRow.id)
+                            .execution_options(populate_existing=True)).all()
+    release = set(workers)
+    admitted = {s.expansion_group: s.status is StepStatus.SUCCEEDED for s in steps if s.action is StepAction.ADMIT}
+    groups = {s.expansion_group for s in steps if s.worker_id in release and s.expansion_group
+              and not all(ok for g, ok in admitted.items() if g == s.expansion_group)}
+    release |= {s.worker_id for s in steps if s.expansion_group in groups}
+    doomed = {s.id for s in steps if s.status in UNFINISHED and (s.worker_id in release or s.expansion_group in groups)}
+    frontier = list(doomed)
+    while frontier:  # whatever waited for a cancelled step would wait for ever
+        frontier = [d for d in session.scalars(select(PlanStepDep.step_id).where(PlanStepDep.after_id.in_(frontier)))
+                    if d not in doomed]
+        doomed |= set(frontier)
+    cancelled = session.execute(
+        update(StepRow).where(StepRow.id.in_(doomed), StepRow.status.in_(UNFINISHED))
+        .values(status=StepStatus.CANCELLED, error=f"cancelled: {reason}", finished_at=func.now())
+        .returning(StepRow.key).execution_options(synchronize_session=False)
+    ).scalars().all()
+    running = {s.worker_id: s.key for s in steps if s.status is StepStatus.RUNNING}
+    rows = session.execute(select(Worker.id, Worker.activity, Worker.zone, Node.name)
+                           .join(Node, Node.id == Worker.node_id).where(Worker.id.in_(release))).all()
+    n = sum(1 for s in steps if ".amend" in s.key) + 1
+    added: list[fleet.PlanStep] = []
+    for wid, activity, zone, node in sorted(rows):
+        if activity is Activity.INACTIVE and wid not in running:
+            continue  # it never took its GPUs: nothing to give back
+        keys = [f"w{wid}.{a}.amend{n}" for a in ("drain", "interrupt", "release")]
+        first_after = (running[wid],) if wid in running else ()
+        added += [fleet.PlanStep(keys[0], StepAction.DRAIN, wid, node, {}, first_after),
+                  fleet.PlanStep(keys[1], StepAction.INTERRUPT, wid, node, {"keep_partials": True}, (keys[0],)),
+                  fleet.PlanStep(keys[2], StepAction.RELEASE, wid, node, {"zone": str(zone)}, (keys[1],))]
+    if added:
+        _insert_steps(session, plan, tuple(added), {s.key: s.id for s in steps})
+        free = session.scalars(select(StepRow.id).where(
+            StepRow.plan_id == plan_id, StepRow.status == StepStatus.BLOCKED, StepRow.pending == 0)).all()
+        _settle(session, list(free))
+    return Amendment(plan_id, tuple(sorted(r[0] for r in rows)), tuple(sorted(cancelled)),
+                     tuple(s.key for s in added))
 
 
 def abort(engine: Engine, plan_id: int, *, actor: str = "pearlctl apply --abort") -> PlanProgress:

@@ -92,7 +92,7 @@ class PolicyLoop:
             self.leading = leading
         if leading:
             self.passes += 1
-        if result.ran or result.aborted is not None:
+        if result.ran or result.amended is not None:
             log.info("pass: %s", result.note, extra={"action": "tick", "plan": result.plan})
         return result
 

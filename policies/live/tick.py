@@ -13,8 +13,9 @@ Safe at any rate and with several copies at once:
 Each pass first runs the reaper (deadlines, rescues, a training step whose GPUs are back), then:
 - while a plan applies, it waits for it, unless something urgent is not covered by it: a worker on
   GPUs the trainer wants back, or under a revocation notice, that the applying plan does not
-  release. Then the applying plan is aborted (its cleanup plan releases what it left between
-  states) so that the return can be planned at once. A cleanup plan is never aborted.
+  release. Then the applying plan is amended (`plan_store.amend_release`): those workers (and the
+  rest of an expansion group one of them belongs to) are drained and released within it at once,
+  while the rest of the plan goes on.
 - otherwise it decides (the PEARL policy, the same code the simulator runs) and writes the plan;
   then applies it: always when it returns GPUs the trainer wants or a notice reclaims; borrowing and
   PD changes too, unless `manual` (they then wait, proposed, for `pearlctl apply`). Borrowing and PD
@@ -54,11 +55,11 @@ class TickResult:
     decision: dict[str, Any] | None = None  # what was decided and why (None: no pass ran)
     plan: int | None = None  # the plan written
     applied: bool = False
-    aborted: int | None = None  # a plan given up for an urgent return
+    amended: int | None = None  # the applying plan, amended to release workers that must leave now
     leading: bool = True  # the pass held the leader lease (False: another process leads)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"decision": self.decision, "plan": self.plan, "applied": self.applied, "aborted": self.aborted,
+        return {"decision": self.decision, "plan": self.plan, "applied": self.applied, "amended": self.amended,
                 "tick": self.tick_id, "key": self.key, "leading": self.leading, "note": self.note}
 
 
@@ -91,15 +92,15 @@ def _pass(engine: Engine, *, holder: str, manual: bool, event: str) -> TickResul
         applying = session.scalars(select(Plan).where(Plan.status == PlanStatus.APPLYING)).first()
         urgent = must_leave(session)
         uncovered = urgent - _released_by(session, applying.id) if applying is not None else set()
-        cleanup = applying is not None and applying.cleans_up is not None
     if applying is not None:
-        if not uncovered or cleanup:
+        if not uncovered:
             return TickResult(False, f"plan {applying.id} is applying; the next pass decides after it")
-        progress = plan_store.abort(engine, applying.id, actor=f"{holder}: workers {sorted(uncovered)} must leave")
-        return TickResult(False, f"aborted plan {applying.id}: workers {sorted(uncovered)} must give their GPUs "
-                                 f"back and it does not release them"
-                                 + (f"; cleanup plan {progress.cleanup} applies" if progress.cleanup else ""),
-                          aborted=applying.id, plan=progress.cleanup, applied=progress.cleanup is not None)
+        reason = f"workers {sorted(uncovered)} must give their GPUs back now"
+        with transaction(engine, actor=holder, reason=reason) as session:
+            amended = plan_store.amend_release(session, applying.id, uncovered, reason)
+        return TickResult(False, f"amended plan {applying.id}: {reason}; releasing {list(amended.release)}, "
+                                 f"{len(amended.cancelled)} step(s) cancelled", plan=applying.id, applied=True,
+                          amended=applying.id)
     with transaction(engine, isolation_level="REPEATABLE READ") as session:
         planned = policy_pass.decide(session, event=event)
     key = f"v{planned.snapshot.state_version}:{_digest(planned)}"
@@ -149,9 +150,15 @@ def must_leave(session: Session) -> set[int]:
 
 
 def _released_by(session: Session, plan_id: int) -> set[int]:
-    return set(session.scalars(select(PlanStep.worker_id).where(
+    """Workers the plan leaves released: a release step of theirs will run (or ran) and no start of
+    theirs is still to come (a restart's release does not give the GPUs back for good)."""
+    pending = [StepStatus.BLOCKED, StepStatus.READY, StepStatus.RUNNING]
+    released = set(session.scalars(select(PlanStep.worker_id).where(
         PlanStep.plan_id == plan_id, PlanStep.action == StepAction.RELEASE,
-        PlanStep.status.in_([StepStatus.BLOCKED, StepStatus.READY, StepStatus.RUNNING, StepStatus.SUCCEEDED]))))
+        PlanStep.status.in_([*pending, StepStatus.SUCCEEDED]))))
+    restarting = set(session.scalars(select(PlanStep.worker_id).where(
+        PlanStep.plan_id == plan_id, PlanStep.action == StepAction.START, PlanStep.status.in_(pending))))
+    return released - restarting
 
 
 def _digest(planned: policy_pass.Planned) -> str:

@@ -19,7 +19,7 @@ from pearl.controlplane.store import plan_store, step_effects
 from pearl.controlplane.store.db import transaction
 from pearl.controlplane.store.schema import Decision, Plan, Tick, TrainingStep, Worker
 from pearl.policies.live.tick import tick
-from plan_support import PEARLCTL, REPO, claim_ready, import_cluster, in_threads, run_plan, small_inventory
+from plan_support import PEARLCTL, REPO, claim_ready, enact, import_cluster, in_threads, run_plan, small_inventory
 from sqlalchemy import Engine, func, select, text
 from typer.testing import CliRunner
 
@@ -98,24 +98,33 @@ def test_manual_mode_leaves_borrowing_to_apply_but_returns_for_training_apply_at
         assert session.get(TrainingStep, 1).started_at is not None  # it started with the last return
 
 
-def test_an_urgent_return_aborts_a_plan_that_keeps_the_borrowed_workers(cp: ControlPlane) -> None:
+def test_an_urgent_return_amends_a_plan_that_keeps_the_borrowed_workers(cp: ControlPlane) -> None:
     first = tick(cp.engine)
-    for step in claim_ready(cp.engine, now()):  # the starts took their GPUs; the rest is slow
+    starts = claim_ready(cp.engine, now())
+    for step in starts:  # the starts took their GPUs; the rest is slow
         with transaction(cp.engine) as session:
             step_effects.begin(session, step_effects.claimed_step(session, step["id"], step["fence"]))
     with pytest.raises(ReturnsLate):
         cp.training_begin(1, wait_s=0)
     urgent = tick(cp.engine)
-    assert urgent.aborted == first.plan and urgent.plan is not None, urgent.note
+    assert urgent.amended == first.plan and urgent.plan == first.plan, urgent.note
     with transaction(cp.engine) as session:
-        assert session.get(Plan, first.plan).status is PlanStatus.FAILED
-        assert session.get(Plan, urgent.plan).cleans_up == first.plan
-        # the starts still in hand stop (their plan failed); the cleanup releases their GPUs
-        session.execute(text("UPDATE plan_steps SET status = 'cancelled' WHERE status = 'running'"))
+        plan = session.get(Plan, first.plan)
+        assert plan.status is PlanStatus.APPLYING  # it goes on, releasing the borrowed workers within it
+        keys = {k: st for k, st in session.execute(text(
+            "SELECT key, status FROM plan_steps WHERE plan_id = :p"), {"p": first.plan}).all()}
+    # the group cannot be admitted whole any more: its barrier and admits are cancelled, and every member
+    # (the dedicated worker 3 too) is drained and released after the start still in hand
+    assert keys["expand.barrier"] == "cancelled" and all(keys[f"w{w}.admit"] == "cancelled" for w in (1, 2, 3))
+    assert {k for k in keys if ".amend" in k} == {f"w{w}.{a}.amend1" for w in (1, 2, 3)
+                                                  for a in ("drain", "interrupt", "release")}
+    for step in starts:  # the starts in hand finish
+        with transaction(cp.engine) as session:
+            enact(session, step)
     run_plan(cp.engine, now())
     with transaction(cp.engine) as session:
-        assert session.get(TrainingStep, 1).started_at is not None
-        assert session.get(Plan, urgent.plan).status is PlanStatus.SUCCEEDED
+        assert session.get(Plan, first.plan).status is PlanStatus.SUCCEEDED
+        assert session.get(TrainingStep, 1).started_at is not None  # it started with the last return
         assert not session.scalars(select(Worker).where(Worker.activity != Activity.INACTIVE)).all()
 
 

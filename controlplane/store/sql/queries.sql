@@ -144,3 +144,18 @@ FROM transitions
 WHERE field IN ('state', 'role', 'activity', 'status')
 ORDER BY event_id DESC
 LIMIT :limit;
+
+-- name: run_summary
+-- What a run of the live system did: plans applied, weight loads (a worker's weights version going
+-- up), borrowed GPUs given back and how many of those came back late, training steps and their delay.
+SELECT
+    (SELECT count(*) FROM plans WHERE applied_at IS NOT NULL) AS plans_applied,
+    (SELECT count(*) FROM plans WHERE applied_at IS NOT NULL AND cleans_up IS NOT NULL) AS cleanup_plans,
+    (SELECT count(*) FROM plans WHERE status = 'failed') AS plans_failed,
+    (SELECT count(*) FROM events WHERE entity = 'workers' AND op = 'update'
+        AND (new ->> 'weights_version')::bigint > (old ->> 'weights_version')::bigint) AS weight_syncs,
+    (SELECT count(*) FROM borrow_cycles WHERE returned_at IS NOT NULL) AS borrowed_returns,
+    (SELECT count(*) FROM borrow_cycles WHERE returned_at IS NOT NULL AND late_s > 0) AS late_returns,
+    (SELECT count(*) FROM training_steps WHERE ended_at IS NOT NULL) AS training_steps,
+    (SELECT coalesce(sum(late_s), 0) FROM training_steps) AS training_delay_s,
+    (SELECT count(*) FROM leases WHERE kind = 'preemptible' AND late_s > 0) AS late_revocations;

@@ -1,0 +1,85 @@
+"""`pearlctl agent --node NAME [--driver sim|sglang]`: the node agent (agents/agent.py) until SIGTERM."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from pearl.controlplane.errors import BadInput
+
+from .common import handle_errors, setup_logging
+
+
+def register(app: typer.Typer) -> None:
+    app.command("agent")(agent)
+
+
+@handle_errors
+def agent(
+    node: Annotated[str, typer.Option("--node", help="The node this agent runs (its name in the inventory).")],
+    driver: Annotated[str, typer.Option("--driver", help="sim (simulated SGLang servers) or sglang.")] = "sim",
+    run_dir: Annotated[Path | None, typer.Option(
+        "--run-dir", help="Where the node's server records and logs live (default $PEARL_HOME/run/NODE).")] = None,
+    speed: Annotated[float | None, typer.Option(
+        "--speed", min=0.001, help="sim: simulated seconds per wall second (default: the inventory's time_scale).")]
+    = None,
+    sim_args: Annotated[str, typer.Option(
+        "--sim-args", help="sim: extra `pearlctl simworker` options for every server, e.g. '--startup-s 60'.")] = "",
+    lease: Annotated[float, typer.Option("--lease-s", min=0.5, help="Lease of a step claim (seconds).")] = 20.0,
+    poll: Annotated[float, typer.Option("--poll-s", min=0.01, help="Claim at least this often (seconds).")] = 1.0,
+    max_steps: Annotated[int, typer.Option("--max-steps", min=1, help="Steps enacted at once.")] = 8,
+    json_logs: Annotated[bool, typer.Option("--json-logs", help="One JSON object per log line.")] = False,
+) -> None:
+    """Claim this node's plan steps and enact them through the driver; stops cleanly on SIGTERM (the
+    steps in hand finish or are handed back) and loses nothing on SIGKILL (their leases expire and the
+    reaper hands them to the next agent)."""
+    from pearl.agents.agent import Agent, AgentConfig
+    from pearl.agents.drivers import DRIVERS, make_driver
+    from pearl.controlplane.services.settings import get_settings
+    from pearl.controlplane.store.db import make_engine, require_schema
+
+    if driver not in DRIVERS:
+        raise BadInput(f"--driver: one of {', '.join(DRIVERS)}, not {driver!r}")
+    setup_logging(json_logs)
+    engine = make_engine()
+    try:
+        require_schema(engine)
+        options: dict[str, Any] = {}
+        if driver == "sim":
+            options["speed"] = speed or _time_scale(engine)
+            options["extra_args"] = tuple(sim_args.split())
+        where = run_dir or Path(get_settings().home) / "run" / node
+        the_driver = make_driver(driver, where, **options)
+        the_agent = Agent(engine, AgentConfig(node=node, driver=driver, lease_s=lease, poll_s=poll,
+                                              max_steps=max_steps),
+                          the_driver, client=_client, front_door=lambda: _front_door(engine))
+        signal.signal(signal.SIGTERM, lambda *_: the_agent.stop())
+        signal.signal(signal.SIGINT, lambda *_: the_agent.stop())
+        the_agent.run()
+    finally:
+        engine.dispose()
+
+
+def _client(endpoint: str, fence: int) -> Any:
+    from pearl.agents.server_client import ServerClient
+
+    return ServerClient(endpoint, fence=fence)
+
+
+def _front_door(engine: Any) -> Any:
+    from pearl.agents.router_client import FrontDoorClient
+    from pearl.agents.steps import NoFrontDoor
+    from pearl.controlplane.store.routers import front_door_url
+
+    url = front_door_url(engine)
+    return FrontDoorClient(url) if url else NoFrontDoor()
+
+
+def _time_scale(engine: Any) -> float:
+    from pearl.controlplane.store.db import transaction
+    from pearl.controlplane.store.profile_store import fleet_inventory
+
+    with transaction(engine) as session:
+        return fleet_inventory(session).time_scale or 1.0
