@@ -45,7 +45,7 @@ from pearl.controlplane.errors import PearlError
 from pearl.controlplane.services import embedded
 from pearl.controlplane.services.settings import Settings, get_settings, redact_url
 from pearl.controlplane.store.db import make_engine, recreate_database, transaction, upgrade
-from pearl.controlplane.store.fleet_status import read_fleet_status, run_summary
+from pearl.controlplane.store.fleet_status import activity_timeline, read_fleet_status, run_summary
 from pearl.controlplane.store.inventory_import import import_inventory
 from pearl.sim.scenario import Scenario, load_scenario
 
@@ -86,6 +86,9 @@ class DemoRun:
     run_dir: Path
     died: Proc | None = None
     stopped_servers: tuple[str, ...] = ()
+    activity: list[dict[str, Any]] = field(default_factory=list)  # worker activity changes (the plot)
+    tokens: list[tuple[float, int]] = field(default_factory=list)  # (wall s, tokens generated so far)
+    started_at: float = 0.0  # when the trainer's clock started (epoch s)
 
 
 def inventory_for(sc: Scenario, speed: float) -> Inventory:
@@ -191,6 +194,7 @@ class Demo:
                 sim.kill()
         simulated = self._simulated(sim)
         report = run_summary(engine)
+        activity = activity_timeline(engine)
         engine.dispose()
         self._stop_services()
         out = {
@@ -203,7 +207,8 @@ class Demo:
             "systems": simulated, "stopped": self._stop_reason, "killed": killed,
             "database": redact_url(database),
         }
-        return DemoRun(out, database, self.run_dir, died, tuple(killed))
+        return DemoRun(out, database, self.run_dir, died, tuple(killed), activity, list(stats.timeline),
+                       stats.started_at)
 
     def _wait_ready(self, engine: Any, agents: int, timeout_s: float = 90.0) -> None:
         deadline = time.monotonic() + timeout_s

@@ -49,6 +49,7 @@ class TrainerStats:
     """What the emulator did, for the live view and the summary."""
 
     started: float = field(default_factory=time.monotonic)
+    started_at: float = field(default_factory=time.time)  # the same moment on the wall clock (epoch s)
     rollout_steps: int = 0  # batches complete
     training_steps: int = 0  # optimizer steps done
     requests: int = 0  # /generate answered

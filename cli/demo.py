@@ -144,22 +144,19 @@ def _summary_table(s: dict[str, Any]) -> Group:
 
 
 def _plot(result: Any, path: Path) -> None:
+    """The run's timeline: workers serving by zone, and the tokens generated (model seconds)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from pearl.controlplane.store.db import make_engine
-    from pearl.controlplane.store.fleet_status import activity_timeline
 
-    engine = make_engine(result.database_url)
-    try:
-        changes = activity_timeline(engine)
-    finally:
-        engine.dispose()
     speed = result.summary["speed"]
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
+    changes = result.activity
     if changes:
-        t0 = changes[0]["at"]
+        from datetime import UTC, datetime
+
+        t0 = datetime.fromtimestamp(result.started_at, UTC)  # the trainer's clock: 0 when the run starts
         state: dict[int, tuple[str, str]] = {}
         xs, dedicated, overlap = [], [], []
         for c in changes:
@@ -169,12 +166,16 @@ def _plot(result: Any, path: Path) -> None:
             overlap.append(sum(1 for z, a in state.values() if z == "overlap" and a == "active"))
         top.step(xs, dedicated, where="post", label="dedicated workers serving", color="tab:blue")
         top.step(xs, overlap, where="post", label="borrowed (overlap) workers serving", color="tab:orange")
+        top.legend(loc="upper left", fontsize=8, framealpha=0.8)
     top.set_ylabel("workers")
-    top.legend(loc="upper left", fontsize=8, framealpha=0.8)
-    top.set_title(f"pearl live: {result.summary['scenario']} (model seconds, x{speed:g} the wall clock)")
-    bottom.text(0.01, 0.9, f"{result.summary['tokens_per_s']:,.0f} tokens/s trained", transform=bottom.transAxes)
-    bottom.set_xlabel("model seconds since the inventory was imported")
-    bottom.set_ylabel("plans")
+    top.set_title(f"pearl live: {result.summary['scenario']}, {result.summary['tokens_per_s']:,.0f} tokens/s "
+                  f"(time in model seconds, x{speed:g} the wall clock)")
+    if result.tokens:
+        bottom.plot([t * speed for t, _ in result.tokens], [n for _, n in result.tokens],
+                    color="tab:green", label="tokens generated")
+        bottom.legend(loc="upper left", fontsize=8, framealpha=0.8)
+    bottom.set_xlabel("model seconds since the run started (before 0: the first fleet starting)")
+    bottom.set_ylabel("tokens")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -13,8 +13,9 @@ Durations (scenario `reconfig`, the same for every system):
 
 Several plans may be in flight. A newer plan's chain for a worker supersedes the unfinished steps of
 an older one, except a release under way: that one is urgent and finishes first. Cancelling any
-unfinished step of an expansion group cancels the group: its members not yet admitted stop and free
-their GPUs (docs/state-machine.md, invariant 6). A flip on a worker whose server is not up becomes a restart.
+unfinished step of an expansion group (a plan has up to two: its dedicated workers and its borrowed
+ones) cancels the group: its members not yet admitted stop and free their GPUs (docs/state-machine.md,
+invariant 6). A flip on a worker whose server is not up becomes a restart.
 """
 
 from __future__ import annotations
@@ -60,15 +61,16 @@ class StepRun:
 
 
 class PlanRun:
-    __slots__ = ("id", "plan", "runs", "open", "group", "group_cancelled", "failed")
+    __slots__ = ("id", "plan", "runs", "open", "groups", "member_of", "cancelled", "failed")
 
     def __init__(self, pid: int, plan: Plan) -> None:
         self.id = pid
         self.plan = plan
         self.runs: dict[str, StepRun] = {}
         self.open = 0  # steps neither done nor cancelled
-        self.group: set[int] = set()  # workers of the plan's expansion group
-        self.group_cancelled = False
+        self.groups: dict[str, set[int]] = {}  # the plan's expansion groups (dedicated, borrowed) -> workers
+        self.member_of: dict[int, str] = {}  # worker -> its expansion group in this plan
+        self.cancelled: set[str] = set()  # groups cancelled
         self.failed = False
 
 
@@ -97,7 +99,8 @@ class Executor:
             pr.runs[step.key] = run
             pr.open += 1
             if step.group is not None:
-                pr.group.add(step.worker_id)
+                pr.groups.setdefault(step.group, set()).add(step.worker_id)
+                pr.member_of[step.worker_id] = step.group
         for run in pr.runs.values():
             for key in run.step.after:
                 pr.runs[key].dependents.append(run)
@@ -257,18 +260,19 @@ class Executor:
         if run in run.worker.chain:
             run.worker.chain.remove(run)
         pr = run.plan
-        if run.worker.id in pr.group and not pr.group_cancelled:
-            self.cancel_group(pr, now)
+        group = pr.member_of.get(run.worker.id)
+        if group is not None and group not in pr.cancelled:
+            self.cancel_group(pr, group, now)
         for d in run.dependents:  # what waited on it can no longer happen
             self._cancel(d, now)
         self._check_finished(pr, now)
 
-    def cancel_group(self, pr: PlanRun, now: float) -> None:
-        """All-or-nothing: members not yet admitted stop and free their GPUs."""
-        pr.group_cancelled = True
+    def cancel_group(self, pr: PlanRun, group: str, now: float) -> None:
+        """All-or-nothing: the group's members not yet admitted stop and free their GPUs."""
+        pr.cancelled.add(group)
         pr.failed = True
         self.cancelled_groups += 1
-        for wid in sorted(pr.group):
+        for wid in sorted(pr.groups[group]):
             w = self.workers[wid]
             pending = [r for r in pr.runs.values() if r.worker is w and r.status in (BLOCKED, RUNNING, WAITING_IDLE)]
             if not pending:

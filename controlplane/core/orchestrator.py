@@ -20,9 +20,12 @@ Step chains, one per changed worker (keys `w<id>.<action>`):
 - added: start{role, zone} -> load_weights -> admit;
 - survivor prefill <-> decode: drain -> flip_role{role} -> admit (in place, on an idle server);
 - survivor colocated <-> split: a restart, drain -> interrupt -> release -> start -> load_weights -> admit.
-The admits of added and restarted workers form one expansion group: they wait for one barrier step
-(`expand.barrier`, no action of its own) that waits for every member's load_weights, so the group is
-admitted all-or-nothing (docs/state-machine.md, invariant 6) with O(members) dependencies. When the mode
+The admits of added and restarted workers form expansion groups, the dedicated workers one (`expand`)
+and the overlap workers another (`borrow`: a borrow wakes a sleeping server in seconds and must not
+wait for, or fail with, a cold start): each group's admits wait for one barrier step
+(`expand.barrier`, `borrow.barrier`, no action of its own) that waits for every member's
+load_weights, so a group is admitted all-or-nothing (docs/state-machine.md, invariant 6) with
+O(members) dependencies. When the mode
 changes, a final `router_sync` waits for every admit (the router's front door changes). Removals
 never wait for anything else: shrinking is urgent.
 """
@@ -31,12 +34,17 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-from pearl.controlplane.core.domain import ROLLOUT_ROLES, Role, StepAction
+from pearl.controlplane.core.domain import ROLLOUT_ROLES, Role, StepAction, WorkerZone
 from pearl.controlplane.core.fleet import FleetSnapshot, Plan, PlanStep, Target, WorkerSlot
 from pearl.controlplane.errors import BadInput
 
-EXPANSION_GROUP = "expand"  # the one expansion group of a plan; the store qualifies it with the plan id
-_SHARED_KEYS = {StepAction.ROUTER_SYNC: "router_sync", StepAction.BARRIER: "expand.barrier"}  # one per plan
+EXPANSION_GROUP = "expand"  # the dedicated workers a plan starts; the store qualifies it with the plan id
+BORROW_GROUP = "borrow"  # the overlap workers a plan starts (borrowed training GPUs)
+_SHARED_KEYS = {StepAction.ROUTER_SYNC: "router_sync"}  # one per plan
+
+
+def _group(slot: WorkerSlot) -> str:
+    return BORROW_GROUP if slot.zone is WorkerZone.OVERLAP else EXPANSION_GROUP
 
 # Order in which places are filled: deterministic, and survivors before added workers (see _resolve).
 _ROLE_ORDER = (Role.COLOCATED, Role.PREFILL, Role.DECODE)
@@ -175,7 +183,7 @@ def _expand(
     def step(
         wid: int, action: StepAction, after: tuple[str, ...] = (), group: str | None = None, **args: object
     ) -> str:
-        key = _SHARED_KEYS.get(action, f"w{wid}.{action}")
+        key = f"{group}.barrier" if action is StepAction.BARRIER else _SHARED_KEYS.get(action, f"w{wid}.{action}")
         steps.append(PlanStep(key, action, wid, slots[wid].node, args, after, group))
         return key
 
@@ -202,15 +210,18 @@ def _expand(
     for wid in sorted(add):
         loaded[wid] = start(wid, ())
 
-    # The expansion group meets at one barrier (O(members) dependencies, not members squared).
-    barrier = (
-        step(min(loaded), StepAction.BARRIER, tuple(loaded[i] for i in sorted(loaded)), EXPANSION_GROUP)
-        if loaded else None
-    )
+    # Each expansion group meets at one barrier (O(members) dependencies, not members squared). The
+    # dedicated workers (cold starts) and the overlap workers (a borrow: a sleeping server wakes in
+    # seconds) form two groups, so a borrow never waits for a cold start, nor fails with it.
+    barriers: dict[str, str] = {}
+    for group in (EXPANSION_GROUP, BORROW_GROUP):
+        members = sorted(i for i in loaded if _group(slots[i]) == group)
+        if members:
+            barriers[group] = step(members[0], StepAction.BARRIER, tuple(loaded[i] for i in members), group)
     admits = [
         step(wid, StepAction.ADMIT, (flipped[wid],), role=str(roles[wid]))
         if wid in flipped
-        else step(wid, StepAction.ADMIT, (barrier,), EXPANSION_GROUP, role=str(roles[wid]))
+        else step(wid, StepAction.ADMIT, (barriers[_group(slots[wid])],), _group(slots[wid]), role=str(roles[wid]))
         for wid in sorted(flipped.keys() | loaded.keys())
     ]
 

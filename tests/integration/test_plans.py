@@ -144,8 +144,10 @@ def test_steps_run_in_dependency_order_and_the_plan_succeeds(cluster_engine: Eng
     plan_store.apply(cluster_engine, plan_id)
     _, steps = rows(cluster_engine, plan_id)
     after = {s.key: set(s.depends_on) for s in steps}
-    assert after["w1.admit"] == {"expand.barrier"} and after["expand.barrier"] == {
-        "w1.load_weights", "w2.load_weights", "w3.load_weights"}
+    # the borrowed workers 1, 2 and the dedicated worker 3 meet at their own barriers
+    assert after["w1.admit"] == after["w2.admit"] == {"borrow.barrier"} and after["w3.admit"] == {"expand.barrier"}
+    assert after["borrow.barrier"] == {"w1.load_weights", "w2.load_weights"}
+    assert after["expand.barrier"] == {"w3.load_weights"}
     rounds = 0
     while claimed := claim_ready(cluster_engine, clock()):
         rounds += 1
@@ -269,8 +271,8 @@ def test_plan_changes_are_in_the_events(cluster_engine: Engine, clock) -> None:
     assert [(e.op, e.old_value, e.new_value) for e in plan_events] == [
         ("insert", None, None), ("update", "proposed", "applying"), ("update", "applying", "succeeded")]
     assert plan_events[1].actor == "operator" and plan_events[2].actor == "test agent"
-    # each step: inserted, readied, claimed, finished; the barrier: inserted, succeeded
-    assert step_events == 4 * (len(rows(cluster_engine, plan_id)[1]) - 1) + 2
+    # each step: inserted, readied, claimed, finished; each of the two barriers: inserted, succeeded
+    assert step_events == 4 * (len(rows(cluster_engine, plan_id)[1]) - 2) + 2 * 2
 
 
 def test_wait_plan_returns_when_the_plan_finishes_and_times_out_otherwise(cluster_engine: Engine, clock) -> None:

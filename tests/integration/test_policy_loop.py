@@ -113,10 +113,11 @@ def test_an_urgent_return_amends_a_plan_that_keeps_the_borrowed_workers(cp: Cont
         assert plan.status is PlanStatus.APPLYING  # it goes on, releasing the borrowed workers within it
         keys = {k: st for k, st in session.execute(text(
             "SELECT key, status FROM plan_steps WHERE plan_id = :p"), {"p": first.plan}).all()}
-    # the group cannot be admitted whole any more: its barrier and admits are cancelled, and every member
-    # (the dedicated worker 3 too) is drained and released after the start still in hand
-    assert keys["expand.barrier"] == "cancelled" and all(keys[f"w{w}.admit"] == "cancelled" for w in (1, 2, 3))
-    assert {k for k in keys if ".amend" in k} == {f"w{w}.{a}.amend1" for w in (1, 2, 3)
+    # the borrowed group cannot be admitted whole any more: its barrier and admits are cancelled, and its
+    # members are drained and released after the starts still in hand; the dedicated worker 3 goes on
+    assert keys["borrow.barrier"] == "cancelled" and all(keys[f"w{w}.admit"] == "cancelled" for w in (1, 2))
+    assert keys["expand.barrier"] == "blocked" and keys["w3.admit"] == "blocked"
+    assert {k for k in keys if ".amend" in k} == {f"w{w}.{a}.amend1" for w in (1, 2)
                                                   for a in ("drain", "interrupt", "release")}
     for step in starts:  # the starts in hand finish
         with transaction(cp.engine) as session:
@@ -125,7 +126,8 @@ def test_an_urgent_return_amends_a_plan_that_keeps_the_borrowed_workers(cp: Cont
     with transaction(cp.engine) as session:
         assert session.get(Plan, first.plan).status is PlanStatus.SUCCEEDED
         assert session.get(TrainingStep, 1).started_at is not None  # it started with the last return
-        assert not session.scalars(select(Worker).where(Worker.activity != Activity.INACTIVE)).all()
+        serving = session.scalars(select(Worker.id).where(Worker.activity != Activity.INACTIVE)).all()
+    assert serving == [3]
 
 
 def test_the_tick_command(cp: ControlPlane, database_url: str, tmp_path) -> None:

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pearl.controlplane.core.domain import Activity, Role, StepAction, WorkerZone
 from pearl.controlplane.core.fleet import FleetSnapshot, Plan, Target, WorkerSlot
-from pearl.controlplane.core.orchestrator import EXPANSION_GROUP, minimal_changes, orchestrate
+from pearl.controlplane.core.orchestrator import BORROW_GROUP, EXPANSION_GROUP, minimal_changes, orchestrate
 from pearl.controlplane.errors import BadInput
 
 pytestmark = pytest.mark.unit
@@ -62,7 +62,7 @@ def test_removed_worker_drains_interrupts_then_releases():
     assert all(s.node == "n0" for s in plan.steps)
 
 
-def test_added_workers_start_load_and_are_admitted_as_one_group():
+def test_added_workers_start_load_and_are_admitted_by_group():
     snap = fleet(slot(0), slot(1, active=False), slot(5, active=False, zone=WorkerZone.OVERLAP, role=Role.TRAINING))
     plan = orchestrate(snap, target({0, 1, 5}, colocated=3))
     assert plan.add == {1, 5} and plan.d_worker == 2 and plan.d_role == 0
@@ -70,13 +70,14 @@ def test_added_workers_start_load_and_are_admitted_as_one_group():
     steps = by_key(plan)
     assert steps["w5.start"].args == {"role": "colocated", "zone": "overlap"}
     assert steps["w5.start"].node == "n1"
-    barrier = steps["expand.barrier"]  # all-or-nothing: the group meets at one barrier
-    assert barrier.action is StepAction.BARRIER and barrier.group == EXPANSION_GROUP
-    assert set(barrier.after) == {"w1.load_weights", "w5.load_weights"} and barrier.worker_id == 1
-    for wid in (1, 5):
+    # all-or-nothing by group: the dedicated worker 1 and the borrowed worker 5 meet at their own barriers,
+    # so a borrow neither waits for a cold start nor fails with it
+    for wid, group in ((1, EXPANSION_GROUP), (5, BORROW_GROUP)):
+        barrier = steps[f"{group}.barrier"]
+        assert barrier.action is StepAction.BARRIER and barrier.group == group
+        assert barrier.after == (f"w{wid}.load_weights",) and barrier.worker_id == wid
         admit = steps[f"w{wid}.admit"]
-        assert admit.group == EXPANSION_GROUP
-        assert admit.after == ("expand.barrier",)
+        assert admit.group == group and admit.after == (f"{group}.barrier",)
     assert "router_sync" not in steps  # colocated stays colocated
 
 
