@@ -214,12 +214,14 @@ def start(ctx: StepContext) -> None:
     w = ctx.begin()
     role = Role(ctx.args["role"])
     server = ctx.driver.running(w.id)
+    launched = False
     if server is not None and w.zone is WorkerZone.OVERLAP and (server.role is Role.COLOCATED) == (
             role is Role.COLOCATED):
         api = ctx.server_api(server)  # the server slept through the training step: wake it
         api.resume_memory_occupation()
         if server.role is not role:
             api.pd_role_switch(role.value)
+            ctx.driver.record_role(w.id, role)
     elif server is None or server.generation != w.generation or server.role is not role:
         if server is not None:
             ctx.driver.stop(w.id)
@@ -229,9 +231,10 @@ def start(ctx: StepContext) -> None:
             overlap=w.zone is WorkerZone.OVERLAP, weights=_weights(w),
         )
         server = ctx.driver.launch(spec)
+        launched = True
     ctx.check()
     ctx.driver.wait_ready(server, ctx.timeouts.ready_s)
-    ctx.complete(endpoint=server.endpoint)
+    ctx.complete(endpoint=server.endpoint, cold=launched)
 
 
 def _weights(w: WorkerView) -> WeightsRef | None:

@@ -21,7 +21,8 @@ Each call:
    slots stay while they still shorten the step (gain > 0), until the tail: once the unfinished
    trajectories are no more than the dedicated workers (one each), the overlap workers no longer
    shorten the step and are given back at once, so that the return is done before the step ends and
-   the trainer starts on time (invariant 2); the target asks to be consulted at that point
+   the trainer starts on time (invariant 2); the tail starts earlier by the trajectories expected to
+   finish while a return takes (`tail_remaining`); the target asks to be consulted at that point
    (`Target.recheck_remaining`);
 4. lets the selector pick the configuration for that budget against the current one, with its
    hysteresis (`selector.select`); forced switches (the current shape became infeasible, or
@@ -171,6 +172,23 @@ class Assessment:
     verdict: str  # why (or why not) the overlap slots are held
 
 
+# The return's lead time, as a share of T_toggle (activation + weights + return): the whole of it, a
+# bound on the return alone that keeps returns on time in the simulator (7 late returns of 13 steps on
+# demo-qwen3-30b-a3b-seg2 with the dedicated count alone, 1 with half of T_toggle, none with all of it).
+RETURN_SHARE = 1.0
+
+
+def tail_remaining(dedicated: int, batch: int, toggle_s: float, step_s: float) -> int:
+    """How many unfinished trajectories mark the tail of a step, when borrowed GPUs go back: one per
+    dedicated worker (the overlap workers no longer shorten the step), plus those expected to finish
+    while a return takes (bounded by T_toggle x RETURN_SHARE; the batch finishing at an even pace over
+    the step: B x T_return / T_step, an overestimate, since the tail finishes slower), so the return
+    is done in time."""
+    if not math.isfinite(step_s) or step_s <= 0:
+        return dedicated
+    return dedicated + math.ceil(batch * RETURN_SHARE * toggle_s / step_s)
+
+
 @dataclass(frozen=True)
 class PearlPolicy:
     """The `pearl` system's policy and its ablations (module docstring)."""
@@ -229,7 +247,9 @@ class PearlPolicy:
             target = split(members, option.config.n_prefill, "; ".join([option.reason, *notes]))
         if a.borrow and a.dedicated:
             # wake the policy at the tail of the step to give the borrowed GPUs back in time
-            target = replace(target, recheck_remaining=len(a.dedicated))
+            step_s = a.with_overlap.step_s if a.with_overlap is not None else math.inf
+            target = replace(target, recheck_remaining=tail_remaining(
+                len(a.dedicated), signals.batch_size, memory.toggle.seconds, step_s))
         return target, _record(memory, signals, option.config if option is not None else None)
 
     def assess(self, snapshot: FleetSnapshot, signals: Signals, memory: PearlMemory) -> Assessment:
@@ -259,12 +279,20 @@ class PearlPolicy:
         if not overlap:
             return Assessment(dedicated, overlap, on_dedicated, None, None, False, "")
         with_overlap = option(len(dedicated) + len(overlap))
-        if 0 < signals.remaining <= len(dedicated):
-            # The tail of the step: the unfinished trajectories fit the dedicated workers one each,
-            # so the overlap workers no longer shorten it; give their GPUs back now, while the
-            # return (toggle off) can finish before the step ends and the trainer wants them.
-            verdict = (f"tail: {signals.remaining} unfinished trajectories fit the {len(dedicated)} dedicated "
-                       "workers; the training GPUs go back before the step ends")
+        ids = set(overlap)
+        holding = any(w.id in ids and w.activity is not Activity.INACTIVE for w in snapshot.workers)
+        # the tail, when borrowed workers go back; held ones early enough for their return to finish
+        step_s = with_overlap.step_s if with_overlap is not None else math.inf
+        tail = tail_remaining(len(dedicated), signals.batch_size, memory.toggle.seconds, step_s) if holding \
+            else len(dedicated)
+        if 0 < signals.remaining <= tail:
+            # The tail of the step: the unfinished trajectories fit the dedicated workers one each (or
+            # will by the time a return takes), so the overlap workers no longer shorten it; give
+            # their GPUs back now, while the return can finish before the step ends and the trainer
+            # wants them.
+            verdict = (f"tail: {signals.remaining} unfinished trajectories (the tail starts at {tail}: "
+                       f"{len(dedicated)} dedicated workers, and what finishes while a return takes); "
+                       "the training GPUs go back before the step ends")
             return Assessment(dedicated, overlap, on_dedicated, with_overlap, None, False, verdict)
         if self.borrow is Borrow.ALWAYS:
             return Assessment(dedicated, overlap, on_dedicated, with_overlap, None, True,
@@ -272,8 +300,6 @@ class PearlPolicy:
         t_ded = on_dedicated.step_s if on_dedicated is not None else math.inf
         t_full = with_overlap.step_s if with_overlap is not None and math.isfinite(with_overlap.step_s) else t_ded
         g = gate(rf, t_ded, t_full, memory.toggle)
-        ids = set(overlap)
-        holding = any(w.id in ids and w.activity is not Activity.INACTIVE for w in snapshot.workers)
         if g.borrow:
             return Assessment(dedicated, overlap, on_dedicated, with_overlap, g, True, "gate: " + g.reason)
         if holding and g.gain_s > 0:

@@ -1,6 +1,6 @@
 """The control-plane database: SQLAlchemy 2 typed ORM of the unified GPU-worker-role state.
 
-The tables here and migrations `0001_initial` .. `0005_live_signals` match exactly (`alembic check`).
+The tables here and migrations `0001_initial` .. `0006_cold_borrows` match exactly (`alembic check`).
 What the ORM cannot express lives in the migration's SQL: the transition trigger (edges are rows of
 `gpu_transitions` and `worker_transitions`), the deferred check that a serving worker holds exactly
 its slot's GPUs, the `state_version` bump, the append-only `events` written by triggers, and the views.
@@ -30,6 +30,7 @@ from pearl.controlplane.core.domain import (
 )
 from sqlalchemy import (
     BigInteger,
+    Boolean,
     CheckConstraint,
     DateTime,
     Double,
@@ -216,6 +217,8 @@ class Lease(Base):
     late_s: Mapped[float | None] = mapped_column(Double)  # seconds past the deadline it came back (0: on time)
     active_at: Mapped[datetime | None] = mapped_column(TS)  # borrowed: its worker was admitted (0005)
     return_began_at: Mapped[datetime | None] = mapped_column(TS)  # borrowed: its worker's return began (0005)
+    # borrowed: its worker launched a server rather than waking a sleeping one (0006); not a toggle
+    cold_start: Mapped[bool] = mapped_column(Boolean, server_default=text("false"))
 
 
 class TrainingStep(Base):

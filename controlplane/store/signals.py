@@ -142,6 +142,11 @@ def open_borrow_leases(session: Session, worker_id: int) -> None:
     session.flush()
 
 
+def borrowed_worker_launched(session: Session, worker_id: int) -> None:
+    """The worker launched a server on its borrowed GPUs (no sleeping one to wake): a cold start."""
+    _leases_of(session, worker_id, Lease.kind == LeaseKind.BORROWED, cold_start=True)
+
+
 def borrowed_worker_admitted(session: Session, worker_id: int) -> None:
     _leases_of(session, worker_id, Lease.active_at.is_(None), active_at=_now(session))
 

@@ -17,7 +17,7 @@ the rows lack for the step to count as done; `plan_store.finish_step` refuses a 
   drain         active -> transitioning           -                              not active
   interrupt     -                                 -                              not active
   release       its GPUs -> draining              GPUs free, worker inactive     inactive, holding no GPU
-  start         inactive -> transitioning, GPUs   the server's endpoint          transitioning in role, endpoint
+  start         inactive -> transitioning, GPUs   the server's endpoint (launched?) transitioning in role, endpoint
   load_weights  -                                 weights_version (never down)   at the trainer's version
   admit         -                                 transitioning -> active        active in its role
   flip_role     -                                 role                           in the new role
@@ -117,7 +117,7 @@ def begin(session: Session, step: ClaimedStep) -> None:
 
 
 def end(session: Session, step: ClaimedStep, *, endpoint: str | None = None,
-        weights_version: int | None = None) -> None:
+        weights_version: int | None = None, cold: bool = False) -> None:
     """The rest of the step's effect, written with its report (idempotent)."""
     transitions.lock_fleet(session)
     w = _worker(session, step.worker_id)
@@ -133,6 +133,8 @@ def end(session: Session, step: ClaimedStep, *, endpoint: str | None = None,
         if w.endpoint != endpoint:
             session.execute(update(Worker).where(Worker.id == w.id).values(endpoint=endpoint)
                             .execution_options(synchronize_session=False))
+        if cold and w.zone is WorkerZone.OVERLAP:  # a launch, not a wake-up: this loan is not a toggle
+            signals.borrowed_worker_launched(session, w.id)
     elif a is StepAction.LOAD_WEIGHTS:
         if weights_version is None:
             raise BadInput(f"step {step.key}: a load_weights reports the version loaded")

@@ -273,10 +273,11 @@ def live_signals(session: Session, snapshot: FleetSnapshot, batch_size: int, eve
 
 
 def borrow_cycle_costs(session: Session) -> list[float]:
-    """Activation plus return (seconds) of every borrow cycle measured, oldest first (`borrow_cycles`)."""
+    """Activation plus return (seconds) of every borrow cycle measured, oldest first (`borrow_cycles`);
+    a cycle that began by launching a server (its first loan) is a cold start, not a toggle."""
     rows = session.execute(text(
-        "SELECT activation_s + return_s FROM borrow_cycles "
-        "WHERE activation_s IS NOT NULL AND return_s IS NOT NULL ORDER BY returned_at")).scalars().all()
+        "SELECT activation_s + return_s FROM borrow_cycles WHERE activation_s IS NOT NULL "
+        "AND return_s IS NOT NULL AND NOT cold_start ORDER BY returned_at")).scalars().all()
     return [float(x) for x in rows if x is not None and x >= 0]
 
 

@@ -217,14 +217,18 @@ def test_pearlctl_reap_rescues_a_dead_agents_step(fleet: Fleet, database_url: st
     plan_id = propose(fleet.engine, Target(frozenset({1}), {Role.COLOCATED: 1}))
     plan_store.apply(fleet.engine, plan_id)
     _wait_for(lambda: _step(fleet.engine, plan_id, "w1.start")["status"] == "running")
-    dead._heartbeat = lambda: None  # type: ignore[method-assign]  # it stops renewing: it is dead
-    time.sleep(1.0)
-    env = {"PEARL_DATABASE_URL": database_url, "PEARL_HOME": str(tmp_path)}
-    done = CliRunner().invoke(app, ["reap", "--json", "--agent-timeout", "60"], env=env)
-    assert done.exit_code == 0, done.output
-    out = json.loads(done.stdout)
-    assert out["rescued"] == [{"step": _step(fleet.engine, plan_id, "w1.start")["id"], "status": "ready"}]
-    assert out["failed_plans"] == [] and out["silent_agents"] == []
-    again = CliRunner().invoke(app, ["reap"], env=env)
-    assert again.exit_code == 0 and "nothing to reap" in again.stdout
-    fleet.servers.hang_launch.clear()
+    # it dies: it renews and claims nothing any more (its thread stays stuck in the hung launch)
+    dead._heartbeat = lambda: None  # type: ignore[method-assign]
+    dead._claim = lambda: None  # type: ignore[method-assign]
+    try:
+        time.sleep(1.0)
+        env = {"PEARL_DATABASE_URL": database_url, "PEARL_HOME": str(tmp_path)}
+        done = CliRunner().invoke(app, ["reap", "--json", "--agent-timeout", "60"], env=env)
+        assert done.exit_code == 0, done.output
+        out = json.loads(done.stdout)
+        assert out["rescued"] == [{"step": _step(fleet.engine, plan_id, "w1.start")["id"], "status": "ready"}]
+        assert out["failed_plans"] == [] and out["silent_agents"] == []
+        again = CliRunner().invoke(app, ["reap"], env=env)
+        assert again.exit_code == 0 and "nothing to reap" in again.stdout
+    finally:
+        fleet.servers.hang_launch.clear()

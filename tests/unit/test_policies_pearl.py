@@ -4,6 +4,7 @@ notices, growth, forced switches, the ablations' options, and its memory."""
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 
 import pytest
@@ -18,7 +19,7 @@ from pearl.controlplane.core.telemetry import StepTelemetry
 from pearl.controlplane.errors import BadInput
 from pearl.policies.base import Signals
 from pearl.policies.borrowing import ToggleCost
-from pearl.policies.pearl import Borrow, PearlMemory, PearlPolicy
+from pearl.policies.pearl import Borrow, PearlMemory, PearlPolicy, tail_remaining
 from pearl.sim.scenario import load_scenario
 from pearl.sim.trajectories import sample_batch
 
@@ -112,13 +113,17 @@ def test_borrowed_workers_go_back_at_the_tail_of_the_step(borrow):
     borrowing = _fleet()
     target, _ = policy.decide(borrowing, _signals(), policy.initial_memory())
     assert _overlap_ids(borrowing) <= target.members
-    assert target.recheck_remaining == 2  # consult me again when the step's tail fits the 2 dedicated workers
+    # consult me again at the step's tail: once it fits the 2 dedicated workers, plus what finishes while
+    # a return takes (T_toggle's worth of the batch at its pace), so that the return is done in time
+    step_s = policy.assess(borrowing, _signals(), policy.initial_memory()).with_overlap.step_s
+    tail = tail_remaining(2, 64, policy.initial_memory().toggle.seconds, step_s)
+    assert target.recheck_remaining == tail and tail == 2 + math.ceil(64 * 11.5 / step_s) > 2
     holding = _fleet(overlap_active=True)
-    for remaining in (2, 1):
+    for remaining in (tail, 1):
         target, _ = policy.decide(holding, _signals(event="tail", remaining=remaining), policy.initial_memory())
         assert not (_overlap_ids(holding) & target.members) and "tail:" in target.reason
         assert target.members == {0, 1} and target.recheck_remaining is None
-    target, _ = policy.decide(holding, _signals(event="tail", remaining=3), policy.initial_memory())
+    target, _ = policy.decide(holding, _signals(event="tail", remaining=tail + 1), policy.initial_memory())
     assert _overlap_ids(holding) <= target.members
 
 
