@@ -7,7 +7,7 @@ to a server carries the claim's fencing token. A handler calls `ctx.check()` (or
 `ctx.wait`) so that a step whose plan stopped, or whose claim was lost, stops promptly; it ends with
 `ctx.complete(...)`, which writes the end of the effect and the success in one transaction.
 
-  drain         out of service in the rows, off the front door, then let requests finish (bounded)
+  drain         out of service in the rows, off the front door (new requests go elsewhere)
   interrupt     abort what still runs (`pause_generation` abort): the front door resubmits each
                 request's rest, with what it generated kept, to another worker
   release       overlap: release the GPU memory (the server sleeps until the next loan); dedicated:
@@ -89,7 +89,9 @@ class Timeouts:
     """How long a step waits on a server (seconds of wall time)."""
 
     ready_s: float = 600.0  # a launched server answers /health
-    drain_s: float = 30.0  # requests finish on their own before an interrupt aborts them
+    # How long a drained server may finish its requests before the next step (an interrupt aborts the
+    # rest, kept by the front door; a flip waits for idle itself): shrinking is urgent, so none.
+    drain_s: float = 0.0
     idle_s: float = 60.0  # an interrupted or drained server has nothing left running
     poll_s: float = 0.05
 
@@ -181,7 +183,7 @@ def drain(ctx: StepContext) -> None:
     endpoint = server.endpoint if server is not None else w.endpoint
     if endpoint:
         ctx.front_door().deregister(endpoint)
-    if server is not None:
+    if server is not None and ctx.timeouts.drain_s > 0:
         ctx.wait(_idle(ctx.server_api(server)), ctx.timeouts.drain_s, "idle after drain")
     ctx.complete()
 
@@ -251,12 +253,22 @@ def load_weights(ctx: StepContext) -> None:
         if not w.snapshot:
             raise DriverError(f"weights version {version} has no snapshot to load")
         api = ctx.server_api(server)
-        if int(api.model_info().get("weight_version") or 0) != version:
+        if served_version(api.model_info()) != version:
             api.update_weights_from_disk(w.snapshot, version)
-        loaded = int(api.model_info().get("weight_version") or 0)
+        loaded = served_version(api.model_info())
         if loaded != version:
             raise DriverError(f"worker {w.id} reports weights version {loaded} after loading {version}")
     ctx.complete(weights_version=max(version, w.weights_version))
+
+
+def served_version(model_info: Mapping[str, Any]) -> int:
+    """The weights version a server reports (SGLang's `weight_version`: "default" for the weights it
+    started with, which are version 0 here)."""
+    raw = model_info.get("weight_version")
+    try:
+        return int(raw)
+    except (TypeError, ValueError):
+        return 0
 
 
 def admit(ctx: StepContext) -> None:

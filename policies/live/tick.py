@@ -11,11 +11,12 @@ Safe at any rate and with several copies at once:
   (`policy_pass.write_planned`: StalePlan), so two passes never plan on one state.
 
 Each pass first runs the reaper (deadlines, rescues, a training step whose GPUs are back), then:
-- while a plan applies, it waits for it, unless something urgent is not covered by it: a worker on
-  GPUs the trainer wants back, or under a revocation notice, that the applying plan does not
-  release. Then the applying plan is amended (`plan_store.amend_release`): those workers (and the
-  rest of an expansion group one of them belongs to) are drained and released within it at once,
-  while the rest of the plan goes on.
+- while a plan applies, it waits for it, unless a worker must give its GPUs back now and the plan
+  does not release it: GPUs the trainer wants back, GPUs under a revocation notice, or a worker the
+  policy no longer holds (the tail of a step: borrowed GPUs go back before it ends). Then the
+  applying plan is amended (`plan_store.amend_release`): those workers (and the rest of an expansion
+  group one of them belongs to) are drained and released within it at once, while the rest of the
+  plan goes on. Growing waits for the plan.
 - otherwise it decides (the PEARL policy, the same code the simulator runs) and writes the plan;
   then applies it: always when it returns GPUs the trainer wants or a notice reclaims; borrowing and
   PD changes too, unless `manual` (they then wait, proposed, for `pearlctl apply`). Borrowing and PD
@@ -93,11 +94,19 @@ def _pass(engine: Engine, *, holder: str, manual: bool, event: str) -> TickResul
         urgent = must_leave(session)
         uncovered = urgent - _released_by(session, applying.id) if applying is not None else set()
     if applying is not None:
-        if not uncovered:
+        # Shrinking cannot wait for the plan: what must leave (the trainer's GPUs, a notice) and what
+        # the policy gives back now (the tail of a step) are released within the applying plan.
+        with transaction(engine, isolation_level="REPEATABLE READ") as session:
+            planned = policy_pass.decide(session, event=event)
+            released = _released_by(session, applying.id)
+        serving = {w.id for w in planned.snapshot.workers if w.activity is not Activity.INACTIVE}
+        leave = (uncovered | (serving - planned.target.members)) - released
+        if not leave:
             return TickResult(False, f"plan {applying.id} is applying; the next pass decides after it")
-        reason = f"workers {sorted(uncovered)} must give their GPUs back now"
-        with transaction(engine, actor=holder, reason=reason) as session:
-            amended = plan_store.amend_release(session, applying.id, uncovered, reason)
+        reason = (f"workers {sorted(leave)} give their GPUs back now"
+                  + (f" ({sorted(uncovered)} must)" if uncovered else f": {planned.target.reason}"))
+        with transaction(engine, actor=holder, reason=reason[:500]) as session:
+            amended = plan_store.amend_release(session, applying.id, leave, reason)
         return TickResult(False, f"amended plan {applying.id}: {reason}; releasing {list(amended.release)}, "
                                  f"{len(amended.cancelled)} step(s) cancelled", plan=applying.id, applied=True,
                           amended=applying.id)
