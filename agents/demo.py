@@ -37,7 +37,7 @@ from typing import Any
 
 from pearl.agents.drivers.process import free_port
 from pearl.agents.fleet import LocalFleet, Proc
-from pearl.agents.trainer import TrainerEmulator, summary
+from pearl.agents.trainer import TrainerEmulator, TrainerStats, summary
 from pearl.controlplane.api import ControlPlane
 from pearl.controlplane.core.domain import NodeZone
 from pearl.controlplane.core.inventory import Inventory, InventoryNode
@@ -133,12 +133,17 @@ class Demo:
         return recreate_database(base, DEMO_DATABASE), broker
 
     def _stop_services(self) -> None:
-        if "redis" in self.started:
-            with contextlib.suppress(PearlError):
-                embedded.stop_redis(self.home)
-        if "postgresql" in self.started:
-            with contextlib.suppress(PearlError):
-                embedded.stop_postgres(self.home)
+        """Stop the embedded servers this demo started (those the user had running stay)."""
+        for name, stop in (("redis", embedded.stop_redis), ("postgresql", embedded.stop_postgres)):
+            if name not in self.started:
+                continue
+            for attempt in range(3):
+                try:
+                    stop(self.home)
+                    break
+                except PearlError as exc:
+                    print(f"demo: stopping the embedded {name} (attempt {attempt + 1}): {exc}", file=sys.stderr)
+                    time.sleep(1.0)
 
     # -- the run -------------------------------------------------------------------------------------
 
@@ -149,14 +154,27 @@ class Demo:
             self.trainer.stop()
 
     def run(self) -> DemoRun:
+        """The whole run (module docstring). Ctrl-C or SIGTERM at any moment ends it: whatever was
+        started is stopped, and the summary says where it stopped."""
+        previous = {sig: signal.signal(sig, lambda *_, n=name: self.stop(n))
+                    for sig, name in ((signal.SIGINT, "interrupted"), (signal.SIGTERM, "terminated"))}
+        try:
+            return self._run()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _run(self) -> DemoRun:
         sc = load_scenario(self.cfg.scenario)
         duration = self.cfg.duration_s if self.cfg.duration_s is not None else sc.duration_s
         sc = sc.model_copy(update={"duration_s": duration})
-        database, broker = self._services()
-        engine = make_engine(database)
+        engine = None
         sim: subprocess.Popen | None = None
         died: Proc | None = None
+        killed: list[str] | None = None
         try:
+            database, broker = self._services()
+            engine = make_engine(database)
             upgrade(engine)
             with transaction(engine, actor="pearlctl demo", reason="demo inventory") as session:
                 import_inventory(session, inventory_for(sc, self.cfg.speed))
@@ -183,20 +201,25 @@ class Demo:
             self.trainer = TrainerEmulator(sc, cp, f"http://127.0.0.1:{port}", speed=self.cfg.speed,
                                            snapshot_dir=self.run_dir / "snapshots", preemptible_node=spot,
                                            write_snapshot=_snapshot_writer())
-            self.trainer.grant_initial()
-            self._warm_up(engine)  # the simulator starts with its first fleet in place: so does the run
+            if self._stop_reason is None:
+                self.trainer.grant_initial()
+                self._warm_up(engine)  # the simulator starts with its first fleet in place: so does the run
             if self._stop_reason is None:
                 died = asyncio.run(self._supervise(engine))
-            stats = self.trainer.stats
+            killed = fleet.stop()
+            simulated = self._simulated(sim) if died is None and self._stop_reason is None else None
+            report = run_summary(engine)
+            activity = activity_timeline(engine)
         finally:
-            killed = self.fleet.stop() if self.fleet is not None else []
-            if sim is not None and sim.poll() is None and (died is not None or self._stop_reason):
+            if self.fleet is not None and killed is None:
+                killed = self.fleet.stop()
+            if sim is not None and sim.poll() is None:
                 sim.kill()
-        simulated = self._simulated(sim)
-        report = run_summary(engine)
-        activity = activity_timeline(engine)
-        engine.dispose()
-        self._stop_services()
+                sim.wait(10)
+            if engine is not None:
+                engine.dispose()
+            self._stop_services()
+        stats = self.trainer.stats if self.trainer is not None else TrainerStats()
         out = {
             **summary(stats, self.cfg.speed),
             "plans_applied": report["plans_applied"], "weight_syncs": report["weight_syncs"],
@@ -207,7 +230,7 @@ class Demo:
             "systems": simulated, "stopped": self._stop_reason, "killed": killed,
             "database": redact_url(database),
         }
-        return DemoRun(out, database, self.run_dir, died, tuple(killed), activity, list(stats.timeline),
+        return DemoRun(out, database, self.run_dir, died, tuple(killed or ()), activity, list(stats.timeline),
                        stats.started_at)
 
     def _wait_ready(self, engine: Any, agents: int, timeout_s: float = 90.0) -> None:
@@ -221,7 +244,9 @@ class Demo:
             live = [a for a in status["agents"] if a["stopped_at"] is None]
             if status["router"] is not None and len(live) >= agents:
                 return
-            if time.monotonic() > deadline or self._stop_reason:
+            if self._stop_reason:
+                return
+            if time.monotonic() > deadline:
                 raise ComponentDied(f"the fleet did not come up within {timeout_s:g} s (front door "
                                     f"{'up' if status['router'] else 'down'}, {len(live)}/{agents} agents)")
             time.sleep(0.2)

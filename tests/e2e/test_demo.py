@@ -1,0 +1,103 @@
+"""`pearlctl demo` as a newcomer runs it: every process of the live system, on the embedded services,
+then nothing left behind; and Ctrl-C at any moment leaves nothing behind either."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from plan_support import PEARLCTL, REPO
+
+pytestmark = pytest.mark.e2e
+
+
+def _env(home: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PEARL_")}
+    env["PEARL_HOME"] = str(home)
+    return env
+
+
+def _leftovers(home: Path) -> list[str]:
+    """Processes that belong to this demo (their command line or working directory is under its home)."""
+    found = []
+    for p in psutil.process_iter(["pid", "cmdline", "cwd"]):
+        try:
+            where = " ".join(p.info["cmdline"] or []) + " " + (p.info["cwd"] or "")
+        except (psutil.Error, TypeError):
+            continue
+        if str(home) in where and p.pid != os.getpid():
+            found.append(f"{p.pid}: {where[:200]}")
+    return found
+
+
+def _demo(home: Path, *args: str) -> subprocess.Popen:
+    return subprocess.Popen([str(PEARLCTL), "demo", *args], env=_env(home), cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def test_a_short_demo_runs_the_whole_system_and_leaves_nothing_behind(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    demo = _demo(home, "--duration", "300", "--speed", "10", "--json", "--no-simulate",
+                 "--plot", str(tmp_path / "demo.png"))
+    try:
+        out, err = demo.communicate(timeout=400)
+    finally:
+        if demo.poll() is None:
+            os.killpg(demo.pid, signal.SIGKILL)
+    assert demo.returncode == 0, err[-3000:]
+    s = json.loads(out)
+    assert s["rollout_steps"] >= 1 and s["training_steps"] >= 1
+    assert s["plans_applied"] > 0 and s["weight_syncs"] > 0
+    assert s["failed_requests"] == 0 and s["requests"] > 0
+    assert s["tokens_per_s"] > 0
+    assert (tmp_path / "demo.png").stat().st_size > 10_000
+    assert _leftovers(home) == []  # agents, workers, servers, routers, the loop and the embedded servers
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(4))
+def test_ctrl_c_at_any_moment_leaves_no_process_behind(tmp_path: Path, seed: int) -> None:
+    home = tmp_path / "home"
+    delay = random.Random(seed).uniform(1.0, 25.0)  # during the start, the warm-up or the run
+    demo = _demo(home, "--duration", "600", "--speed", "10", "--json", "--no-simulate")
+    try:
+        time.sleep(delay)
+        demo.send_signal(signal.SIGINT)
+        demo.communicate(timeout=120)
+    finally:
+        if demo.poll() is None:
+            os.killpg(demo.pid, signal.SIGKILL)
+            demo.wait(10)
+    assert demo.returncode in (0, 1, 130), demo.returncode
+    deadline = time.monotonic() + 10
+    while _leftovers(home) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _leftovers(home) == [], f"after SIGINT at {delay:.1f} s"
+
+
+def test_ctrl_c_during_the_run_stops_it_cleanly(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    demo = _demo(home, "--duration", "3000", "--speed", "10", "--json", "--no-simulate")
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:  # wait until it runs: the servers are up
+            if any("simworker" in p for p in _leftovers(home)):
+                break
+            time.sleep(0.5)
+        time.sleep(3)
+        demo.send_signal(signal.SIGINT)
+        out, err = demo.communicate(timeout=120)
+    finally:
+        if demo.poll() is None:
+            os.killpg(demo.pid, signal.SIGKILL)
+    assert demo.returncode == 0, err[-3000:]
+    assert json.loads(out)["stopped"] == "interrupted"
+    time.sleep(0.5)
+    assert _leftovers(home) == []
