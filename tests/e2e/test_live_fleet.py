@@ -1,0 +1,129 @@
+"""pearl live, as processes: the front door over the real sglang-router, one `pearlctl agent` per node
+with the `sim` driver launching simulated SGLang servers, on a real PostgreSQL; plans applied through
+the store, a steady stream of multi-turn requests through the front door."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from pearl.agents.drivers.process import free_port
+from pearl.agents.fleet import LocalFleet
+from pearl.controlplane.core.domain import Activity, Role
+from pearl.controlplane.core.fleet import Target
+from pearl.controlplane.store import plan_store
+from pearl.controlplane.store.db import transaction
+from pearl.controlplane.store.fleet_status import read_fleet_status
+from pearl.controlplane.store.schema import Worker
+from plan_support import import_cluster, propose
+from sqlalchemy import Engine, select, text
+from workers_support import Load
+
+pytestmark = pytest.mark.e2e
+
+TWO_NODES = {
+    "model": "qwen3-8b", "gpu": "h100", "tp": 2, "time_scale": 50.0,
+    "nodes": [
+        {"name": "node-a", "zone": "rollout", "gpus": 4, "address": "127.0.0.1"},  # workers 1, 2
+        {"name": "node-b", "zone": "rollout", "gpus": 4, "address": "127.0.0.1"},  # workers 3, 4
+    ],
+}
+ALL = frozenset({1, 2, 3, 4})
+
+
+@pytest.fixture
+def live(db_engine: Engine, database_url: str, tmp_path: Path) -> Iterator[tuple[LocalFleet, str]]:
+    import_cluster(db_engine, TWO_NODES)
+    fleet = LocalFleet(tmp_path / "run", {"PEARL_DATABASE_URL": database_url, "PEARL_HOME": str(tmp_path)})
+    port = free_port()
+    fleet.start_front_door(port)
+    for node in ("node-a", "node-b"):
+        fleet.start_agent(node, speed=50.0, sim_args=("--startup-s", "5"), lease_s=3.0, poll_s=0.1)
+    try:
+        _wait(lambda: _ready(db_engine), 90, fleet)
+        yield fleet, f"http://127.0.0.1:{port}"
+    finally:
+        fleet.stop()
+
+
+def _ready(engine: Engine) -> bool:
+    status = read_fleet_status(engine)
+    return status["router"] is not None and len([a for a in status["agents"] if a["stopped_at"] is None]) == 2
+
+
+def _wait(condition, timeout_s: float, fleet: LocalFleet | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if fleet is not None and (dead := fleet.check()) is not None:
+            raise AssertionError(f"{dead.name} died:\n{dead.tail()}")
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+def _apply(engine: Engine, target: Target, timeout_s: float = 120) -> dict:
+    plan_id = propose(engine, target)
+    plan_store.apply(engine, plan_id)
+    return plan_store.wait_plan(engine, plan_id, timeout_s=timeout_s, poll_s=0.1)
+
+
+def _roles(engine: Engine) -> dict[int, tuple[Activity, Role, str | None]]:
+    with transaction(engine) as session:
+        return {w.id: (w.activity, w.role, w.endpoint) for w in session.scalars(select(Worker).order_by(Worker.id))}
+
+
+@pytest.mark.slow
+def test_plans_switch_colocated_2p2d_1p3d_colocated_under_load_with_no_failed_request(
+        live: tuple[LocalFleet, str], db_engine: Engine) -> None:
+    fleet, url = live
+    assert _apply(db_engine, Target(ALL, {Role.COLOCATED: 4}))["status"] == "succeeded"
+    load = Load(url, trajectories=6).start()
+    try:
+        load.wait_turns(10, timeout_s=60)
+        for counts, mode in (({Role.PREFILL: 2, Role.DECODE: 2}, "split"), ({Role.PREFILL: 1, Role.DECODE: 3}, "split"),
+                             ({Role.COLOCATED: 4}, "colocated")):
+            summary = _apply(db_engine, Target(ALL, counts))
+            assert summary["status"] == "succeeded", summary["error"]
+            now = _roles(db_engine)
+            assert Counter(r for _, r, _ in now.values()) == counts
+            for _, role, endpoint in now.values():  # each server says what the rows say
+                info = httpx.get(endpoint + "/model_info", timeout=10).json()
+                expected = "null" if role is Role.COLOCATED else role.value
+                assert str(info.get("disaggregation_mode") or "null") == expected, info
+                assert httpx.get(endpoint + "/v1/loads", timeout=10).status_code == 200
+            state = httpx.get(url + "/pearl/state", timeout=10).json()
+            assert state["mode"] == mode
+            load.wait_turns(10, timeout_s=60)
+    finally:
+        load.stop()
+    assert load.failures == [] and load.turns > 40
+    assert fleet.check() is None
+
+
+def test_an_agent_killed_mid_step_is_rescued_and_the_step_takes_effect_once(
+        live: tuple[LocalFleet, str], db_engine: Engine) -> None:
+    fleet, _ = live
+    plan_id = propose(db_engine, Target(frozenset({1, 2}), {Role.COLOCATED: 2}))
+    plan_store.apply(db_engine, plan_id)
+    step = lambda key: db_engine.connect().execute(  # noqa: E731
+        text("SELECT status, attempts, fence FROM plan_steps WHERE plan_id = :p AND key = :k"),
+        {"p": plan_id, "k": key}).one()
+    _wait(lambda: step("w1.start").status == "running", 30, fleet)
+    agent = next(p for p in fleet.procs if p.name == "agent node-a")
+    os.killpg(agent.popen.pid, signal.SIGKILL)  # mid-start: the server may be launching
+    agent.popen.wait(10)
+    fleet.procs.remove(agent)
+    fleet.start_agent("node-a", speed=50.0, sim_args=("--startup-s", "5"), lease_s=3.0, poll_s=0.1)
+    summary = plan_store.wait_plan(db_engine, plan_id, timeout_s=120, poll_s=0.1)
+    assert summary["status"] == "succeeded", summary["error"]
+    assert step("w1.start").attempts >= 1
+    with transaction(db_engine) as session:
+        w1 = session.get(Worker, 1)
+        assert w1.activity is Activity.ACTIVE and w1.generation == 1  # started once, whoever ran the step
+    servers = fleet.run_dir / "servers" / "node-a"
+    assert len(list(servers.glob("worker-1.json"))) == 1  # one server serves it
