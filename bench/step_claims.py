@@ -16,9 +16,13 @@ start barrier to the last finish), p50/p99 of one claim (statement + commit) and
 pearl/procrastinate ratios (throughput: above 1 means pearl claims more per second; latency: below 1
 means pearl's claim is faster). The median and spread are over `--repeat` runs.
 
-Beside them, `pearl_reported`: the same claims, each reported as the agent does it
-(`plan_store.complete_step`: the fleet row, the fenced effect check, the dependents, the plan's
-progress), with how many claims came back empty while steps were ready.
+Beside them, `pearl_reported` (one run, a few steps per agent): the same claims, each reported as the
+agent does it (`plan_store.complete_step`: the fleet row, the fenced effect check, the dependents,
+the plan's progress), with how many claims came back empty while steps were ready.
+
+`backlog`: claims/s at 8 connections as each node's backlog of ready steps grows (4, 32, 256).
+pearl's claim ranks every ready step of its node (one step per worker), so it slows as the backlog
+grows; a real plan readies about one step per worker at a time (a node's few workers).
 
 Wake-up: agents (agents/agent.py, over in-process fake servers) wait on LISTEN `pearl_steps`; each
 repetition applies a plan (`plan_store.apply`, what `pearlctl apply` runs) and times the first claim
@@ -28,7 +32,7 @@ LISTEN loop on procrastinate's queue channel: from a job's insert committing to 
 256 connections need `max_connections` above PostgreSQL's default of 100: without `--database-url`
 the benchmark starts an embedded server of its own with 400.
 
-    .venv/bin/python bench/step_claims.py [--quick] [--database-url URL] [--repeat 3]
+    .venv/bin/python bench/step_claims.py [--quick] [--database-url URL] [--repeat 3] [--connections 8,64,256]
 """
 
 from __future__ import annotations
@@ -268,9 +272,10 @@ def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return mid
 
 
-def concurrency(server: BenchServer, n: int, jobs: int, repeat: int, reported: bool) -> dict[str, Any]:
-    per_node = max(1, jobs // n)
-    pearl, baseline, full = [], [], []
+def concurrency(server: BenchServer, n: int, per_node: int, repeat: int, reported: int) -> dict[str, Any]:
+    """`n` connections with `per_node` jobs each, pearl and procrastinate alternating `repeat` times;
+    then, unless `reported` is 0, one run of `pearl_reported` with `reported` steps per agent."""
+    pearl, baseline = [], []
     for _ in range(repeat):
         url = server.pearl_database("bench_claims")
         engine, agents = pearl_fleet(url, n, per_node)
@@ -282,13 +287,6 @@ def concurrency(server: BenchServer, n: int, jobs: int, repeat: int, reported: b
         workers = procrastinate_queues(url, n, per_node)
         baseline.append(_summary(*procrastinate_fetches(url, workers)))
         server.drop(url)
-
-        if reported:
-            url = server.pearl_database("bench_reports")
-            engine, agents = pearl_fleet(url, n, per_node)
-            engine.dispose()
-            full.append(_summary(*pearl_reported(url, agents, per_node)))
-            server.drop(url)
     p, b = _median_run(pearl), _median_run(baseline)
     out = {
         "connections": n,
@@ -301,9 +299,39 @@ def concurrency(server: BenchServer, n: int, jobs: int, repeat: int, reported: b
             "claim_p99": round(p["claim"]["p99_ms"] / b["claim"]["p99_ms"], 3),
         },
     }
-    if full:
-        out["pearl_reported"] = _median_run(full)
+    if reported:
+        url = server.pearl_database("bench_reports")
+        engine, agents = pearl_fleet(url, n, reported)
+        engine.dispose()
+        out["pearl_reported"] = {"jobs_per_connection": reported, **_summary(*pearl_reported(url, agents, reported))}
+        server.drop(url)
     return out
+
+
+def backlog(server: BenchServer, n: int, sizes: tuple[int, ...], repeat: int) -> list[dict[str, Any]]:
+    """Claims/s with `n` connections as each node's (queue's) backlog of ready steps (jobs) grows:
+    pearl's claim ranks the node's ready steps (one per worker), procrastinate's fetch takes the
+    first job of its queue by index."""
+    rows = []
+    for per_node in sizes:
+        runs: dict[str, list[dict[str, Any]]] = {"pearl": [], "procrastinate": []}
+        for _ in range(repeat):
+            url = server.pearl_database("bench_backlog")
+            engine, agents = pearl_fleet(url, n, per_node)
+            engine.dispose()
+            runs["pearl"].append(_summary(*pearl_claims(url, agents)))
+            server.drop(url)
+            url = server.empty_database("bench_backlog_procrastinate")
+            runs["procrastinate"].append(_summary(*procrastinate_fetches(url, procrastinate_queues(url, n, per_node))))
+            server.drop(url)
+        row: dict[str, Any] = {"connections": n, "ready_per_node": per_node}
+        for side, rs in runs.items():
+            m = _median_run(rs)
+            row[side] = {"claims_per_s_median": m["claims_per_s_median"], "claim_p50_ms": m["claim"]["p50_ms"]}
+        row["ratio_claims_per_s"] = round(row["pearl"]["claims_per_s_median"]
+                                          / row["procrastinate"]["claims_per_s_median"], 3)
+        rows.append(row)
+    return rows
 
 
 # -- wake-up ---------------------------------------------------------------------------------------
@@ -426,15 +454,19 @@ def main() -> None:
     parser.add_argument("--database-url", help="a maintenance database on a server allowing 260+ connections "
                         "(default: an embedded server of the benchmark's own)")
     parser.add_argument("--connections", default=None, help="comma-separated (default 8,64,256)")
-    parser.add_argument("--jobs", type=int, default=None, help="claims per run, split among the connections")
+    parser.add_argument("--jobs-per-connection", type=int, default=None, help="claims per connection and run "
+                        "(default 32)")
+    parser.add_argument("--reported", type=int, default=None, help="steps per agent in the pearl_reported run "
+                        "(default 4; 0: skip it)")
     parser.add_argument("--repeat", type=int, default=None)
     parser.add_argument("--wake-repeat", type=int, default=None)
-    parser.add_argument("--no-reported", action="store_true", help="skip the pearl_reported runs")
     args = parser.parse_args()
     levels = [int(x) for x in (args.connections or ("2,4" if args.quick else "8,64,256")).split(",")]
-    jobs = args.jobs or (64 if args.quick else 2048)
+    per_node = args.jobs_per_connection or (16 if args.quick else 32)
+    reported = args.reported if args.reported is not None else 4
     repeat = args.repeat or (1 if args.quick else 3)
     wake_repeat = args.wake_repeat or (5 if args.quick else 50)
+    backlog_sizes = (2, 32) if args.quick else (4, 32, 256)
     started = time.perf_counter()
     with BenchServer(args.database_url) as server:
         out: dict[str, Any] = {
@@ -443,7 +475,8 @@ def main() -> None:
             "repeat": repeat,
             "database": server.settings(),
             "machine": machine(),
-            "concurrency": [concurrency(server, n, jobs, repeat, not args.no_reported) for n in levels],
+            "concurrency": [concurrency(server, n, per_node, repeat, reported) for n in levels],
+            "backlog": backlog(server, 2 if args.quick else 8, backlog_sizes, repeat),
         }
         pearl, baseline = pearl_wakeup(server, wake_repeat), procrastinate_wakeup(server, wake_repeat)
         out["wakeup"] = {

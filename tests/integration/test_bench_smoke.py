@@ -40,15 +40,17 @@ def test_step_claims(pg_server_url: str) -> None:
     out = run_bench("step_claims", pg_server_url)
     assert [c["connections"] for c in out["concurrency"]] == [2, 4]
     for level in out["concurrency"]:
-        jobs = level["connections"] * level["jobs_per_connection"]
         for side in ("pearl", "procrastinate", "pearl_reported"):
             run = level[side]
+            jobs = level["connections"] * run.get("jobs_per_connection", level["jobs_per_connection"])
             assert run["claims"] == jobs and run["claims_per_s"] > 0 and run["wall_s"] > 0
             sane(run["claim"], jobs)
             sane(run["finish"], jobs)
         # one agent per node with its steps all ready: a claim never comes back empty
         assert level["pearl"]["empty_claims"] == 0 and level["pearl_reported"]["empty_claims"] == 0
         assert all(r > 0 for r in level["ratio_pearl_to_procrastinate"].values())
+    assert [(b["connections"], b["ready_per_node"]) for b in out["backlog"]] == [(2, 2), (2, 32)]
+    assert all(b["pearl"]["claims_per_s_median"] > 0 and b["ratio_claims_per_s"] > 0 for b in out["backlog"])
     wake = out["wakeup"]
     sane(wake["pearl"]["from_apply_commit"], 5)
     sane(wake["procrastinate"]["from_insert_commit"], 5)
