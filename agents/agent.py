@@ -223,8 +223,9 @@ class Agent:
 
         def woken(channel: str, payload: str) -> None:
             if channel == "pearl_plans":
-                self._plan_changed.set()  # renew at once: a step of a stopped plan stops
-                self._wake.set()
+                if payload.endswith(":failed"):
+                    self._plan_changed.set()  # renew at once: a step of a stopped plan stops
+                self._wake.set()  # a plan applied: claim at once, with no heartbeat first
             elif payload == node:
                 self._wake.set()
 

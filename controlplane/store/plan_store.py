@@ -24,9 +24,11 @@ its GPUs back, even if already admitted). A cleanup plan that fails writes no fu
 
 Concurrency. Every writer takes the fleet row first (`transitions.lock_fleet`), then the plan row,
 then steps: reports, applies, aborts and the reaper are serialised and cannot deadlock. Claims take
-no fleet lock; they skip rows that are locked (`SKIP LOCKED`), the plan row included, so a claim
-never waits and never takes a step of a plan being failed. Every change of plans and plan_steps is
-written to `events` by triggers (invariant 5).
+no fleet lock; they skip rows that are locked (`SKIP LOCKED`), so a claim never waits. They read the
+plan row under a key-share lock: a report holds it FOR NO KEY UPDATE, which claims pass (the agents
+of other nodes keep claiming while a step is reported), and failing a plan takes it FOR UPDATE, which
+claims skip, so a claim never takes a step of a plan being failed. Every change of plans and
+plan_steps is written to `events` by triggers (invariant 5).
 """
 
 from __future__ import annotations
@@ -343,8 +345,10 @@ def _finish_if_done(session: Session, plan: PlanRow) -> bool:
 
 
 def _locked_plan(session: Session, plan_id: int) -> PlanRow:
+    """The plan row, locked against other writers but not against claims (FOR NO KEY UPDATE)."""
     return session.scalars(
-        select(PlanRow).where(PlanRow.id == plan_id).with_for_update().execution_options(populate_existing=True)
+        select(PlanRow).where(PlanRow.id == plan_id).with_for_update(key_share=True)
+        .execution_options(populate_existing=True)
     ).one()
 
 
@@ -422,6 +426,9 @@ def reconcile(session: Session, plan_id: int) -> PlanProgress:
 def _fail(session: Session, plan: PlanRow, error: str) -> PlanProgress:
     """Fail the plan with `error`, cancel its steps not yet run, and (unless it is itself a cleanup)
     write and apply the cleanup plan of the workers it left between states."""
+    # FOR UPDATE: claims skip the plan from here on (a report's lock lets them pass); waits for the
+    # claims in flight, whose steps are then running and stop when their agents renew
+    session.execute(select(PlanRow.id).where(PlanRow.id == plan.id).with_for_update())
     plan.status, plan.finished_at, plan.error = PlanStatus.FAILED, func.now(), error
     session.flush()
     cancelled = session.execute(

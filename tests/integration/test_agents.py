@@ -168,6 +168,25 @@ def test_an_aborted_plans_running_step_stops_and_its_cleanup_frees_the_gpus(flee
     assert not any(s.alive for s in fleet.servers.by_endpoint.values())
 
 
+def test_an_applied_plan_is_claimed_without_a_heartbeat_first(fleet: Fleet) -> None:
+    """Only a failed plan needs the steps in hand renewed at once; an applied or finished plan wakes the
+    agent to claim, not to heartbeat (a commit that would delay every first claim)."""
+    agent = fleet.start("node-a", heartbeat_s=60.0, poll_s=60.0)
+    _wait_for(lambda: agent.registration is not None)
+
+    def beat() -> object:
+        with fleet.engine.connect() as conn:
+            return conn.execute(text("SELECT heartbeat_at FROM agents WHERE id = :a"),
+                                {"a": agent.registration.agent_id}).scalar()
+
+    first = beat()
+    time.sleep(0.2)  # the first pass of the loop (its heartbeat) is over
+    assert beat() == first
+    summary = apply_and_wait(fleet.engine, Target(frozenset({1, 2}), {Role.COLOCATED: 2}), timeout_s=20)
+    assert summary["status"] == "succeeded", summary["error"]
+    assert beat() == first
+
+
 def _step(engine: Engine, plan_id: int, key: str) -> dict:
     with engine.connect() as conn:
         return dict(conn.execute(text("SELECT * FROM plan_steps WHERE plan_id = :p AND key = :k"),

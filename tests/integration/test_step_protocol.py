@@ -246,3 +246,37 @@ def test_leases_come_from_the_databases_clock(cluster_engine: Engine) -> None:
         rows = session.execute(query("claim_steps"), {"node_id": 1, "agent_id": None, "lease_s": 30,
                                                       "limit": 10}).mappings().all()
     assert rows and all(abs((r["lease_until"] - db_now - timedelta(seconds=30)).total_seconds()) < 5 for r in rows)
+
+
+def test_a_claim_made_while_another_step_is_reported_still_takes_its_ready_step(cluster_engine: Engine,
+                                                                                 clock) -> None:
+    """A report holds its plan's row until it commits; the agents of other nodes claiming meanwhile
+    must still get their ready steps (skipping them would leave each to the next poll)."""
+    plan_id = propose(cluster_engine)
+    plan_store.apply(cluster_engine, plan_id)
+    with transaction(cluster_engine) as session:
+        pin_clock(session, clock())
+        node = session.scalar(text("SELECT id FROM nodes WHERE name = 'train-0'"))
+        (w1,) = session.execute(query("claim_steps"), {"node_id": node, "agent_id": None, "lease_s": 30,
+                                                       "limit": 1}).mappings().all()
+    reporting, done = threading.Event(), threading.Event()
+
+    def report_slowly() -> None:  # the report of w1's step, held open before its commit
+        with transaction(cluster_engine) as session:
+            pin_clock(session, clock())
+            enact(session, dict(w1))
+            reporting.set()
+            done.wait(5)
+
+    t = threading.Thread(target=report_slowly)
+    t.start()
+    try:
+        assert reporting.wait(5)
+        claimed = {s["key"] for s in claim_ready(cluster_engine, clock())}
+    finally:
+        done.set()
+        t.join(10)
+    assert claimed == {"w2.start", "w3.start"}
+    with transaction(cluster_engine) as session:
+        assert session.get(Plan, plan_id).status is PlanStatus.APPLYING
+        assert session.scalars(select(PlanStep.status).where(PlanStep.id == w1["id"])).one() is StepStatus.SUCCEEDED

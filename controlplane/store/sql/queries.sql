@@ -5,8 +5,9 @@
 -- Claim up to :limit ready steps of one node for one agent, in one statement: each gets a lease
 -- until pearl_now() + :lease_s seconds (the database's clock) and a fresh fencing token. SKIP LOCKED
 -- lets claimers pass each other; at most one step per worker is taken (and the unique index keeps one
--- running step per worker). Only steps of the applying plan, whose row is read under a share lock:
--- a plan being failed or aborted at this moment is skipped, and its steps are cancelled, never run.
+-- running step per worker). Only steps of the applying plan, whose row is read under a key-share
+-- lock: a plan being failed or aborted at this moment (its row locked FOR UPDATE) is skipped, and its
+-- steps are cancelled, never run; a report in progress (FOR NO KEY UPDATE) is passed, not skipped.
 -- Barriers are never claimed (they succeed in the database).
 WITH clock AS (SELECT pearl_now() AS now),
 ready AS (
@@ -23,7 +24,7 @@ ready AS (
     ORDER BY s.plan_id, s.id
     LIMIT :limit
     FOR UPDATE OF s SKIP LOCKED
-    FOR SHARE OF p SKIP LOCKED
+    FOR KEY SHARE OF p SKIP LOCKED
 )
 UPDATE plan_steps s
 SET status = 'running',
