@@ -200,10 +200,10 @@ def test_the_loop_wakes_on_a_report_not_only_on_its_interval(cp: ControlPlane, d
         _wait(lambda: count(cp.engine, Tick) >= 1, 30)  # its first pass, at start
         plan_id = cp.engine.connect().execute(text("SELECT max(id) FROM plans")).scalar()
         run_plan(cp.engine, now())  # the plan finishes: a wake-up (pearl_plans)
-        _wait(lambda: count(cp.engine, Tick) >= 2, 5)
+        _wait(lambda: count(cp.engine, Tick) >= 2, 20)  # well before its 30 s interval
         ticks = count(cp.engine, Tick)
         cp.rollout_progress(0, 3, batch_size=64)  # a report: a wake-up (pearl_signals), long before 30 s
-        _wait(lambda: count(cp.engine, Tick) > ticks, 5)
+        _wait(lambda: count(cp.engine, Tick) > ticks, 20)
         with transaction(cp.engine) as session:
             assert session.get(Plan, plan_id).status is PlanStatus.SUCCEEDED
             assert session.scalar(select(func.count()).select_from(Tick).where(Tick.error.is_not(None))) == 0
