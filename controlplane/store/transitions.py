@@ -31,8 +31,16 @@ def lock_fleet(session: Session) -> int:
     first matters under READ COMMITTED: a statement's snapshot is taken before it waits, so a
     compare-and-set that waited inside its own trigger may judge rows by a state already replaced.
     After this call each statement sees the latest committed state.
+
+    Taken once per transaction: a second call in the same transaction returns the version read by the
+    first (writes of this transaction may have moved it since) without a round trip.
     """
-    return session.execute(select(Fleet.state_version).where(Fleet.id == 1).with_for_update()).scalar_one()
+    tx = session.get_transaction()
+    if tx is not None and session.info.get("fleet_locked_by") is tx:
+        return session.info["fleet_version"]
+    version = session.execute(select(Fleet.state_version).where(Fleet.id == 1).with_for_update()).scalar_one()
+    session.info["fleet_locked_by"], session.info["fleet_version"] = tx, version
+    return version
 
 
 def gpu_edges(session: Session) -> dict[NodeZone, list[tuple[GPUState, GPUState, str]]]:
