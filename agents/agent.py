@@ -229,4 +229,5 @@ class Agent:
             elif payload == node:
                 self._wake.set()
 
-        listen(self.engine, ("pearl_steps", "pearl_plans"), woken, self._stop)
+        # at start and after a reconnect, look at the rows at once: a wake-up may have been missed
+        listen(self.engine, ("pearl_steps", "pearl_plans"), woken, self._stop, self._wake.set)

@@ -17,9 +17,11 @@ log = logging.getLogger("pearl.notifications")
 
 
 def listen(engine: Engine, channels: Iterable[str], on_notify: Callable[[str, str], None],
-           stop: threading.Event) -> None:
+           stop: threading.Event, on_listening: Callable[[], None] | None = None) -> None:
     """Call `on_notify(channel, payload)` for each notification until `stop` is set; reconnects with
-    backoff when the connection drops (run it in a thread of its own)."""
+    backoff when the connection drops (run it in a thread of its own). `on_listening()` runs each
+    time the channels are listened to: at the start and after a reconnect, when notifications may
+    have been missed and the caller should look at the rows again."""
     url = engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
     backoff = 0.5
     while not stop.is_set():
@@ -28,6 +30,8 @@ def listen(engine: Engine, channels: Iterable[str], on_notify: Callable[[str, st
                 for channel in channels:
                     conn.execute(f"LISTEN {channel}")
                 backoff = 0.5
+                if on_listening is not None:
+                    on_listening()
                 while not stop.is_set():
                     for note in conn.notifies(timeout=1.0):
                         on_notify(note.channel, note.payload)

@@ -45,6 +45,7 @@ class PolicyLoop:
         self.leading = False
         self._stop = threading.Event()
         self._wake = threading.Event()
+        self._listening = threading.Event()
         self._lock = threading.Lock()
         self._events: list[str] = []
 
@@ -56,6 +57,8 @@ class PolicyLoop:
         c = self.config
         listener = threading.Thread(target=self._listen, name="loop-listen", daemon=True)
         listener.start()
+        # the first pass comes after LISTEN, so that nothing reported after it goes unheard
+        self._listening.wait(5.0)
         log.info("policy loop %s started (interval %.1f s, lease %.1f s%s)", self.holder, c.interval_s, c.lease_s,
                  ", manual" if c.manual else "", extra={"action": "start_loop"})
         try:
@@ -103,4 +106,11 @@ class PolicyLoop:
                 self._events.append(_EVENTS.get(kind, kind))
             self._wake.set()
 
-        listen(self.engine, ("pearl_signals", "pearl_plans"), woken, self._stop)
+        def listening() -> None:
+            if self._listening.is_set():  # a reconnect: what came meanwhile was not heard
+                with self._lock:
+                    self._events.append("reconnect")
+                self._wake.set()
+            self._listening.set()
+
+        listen(self.engine, ("pearl_signals", "pearl_plans"), woken, self._stop, listening)

@@ -197,9 +197,13 @@ def test_a_killed_loop_leader_is_replaced_within_its_lease(cp: ControlPlane, dat
 def test_the_loop_wakes_on_a_report_not_only_on_its_interval(cp: ControlPlane, database_url: str, tmp_path) -> None:
     loop = _loop(database_url, tmp_path, "--interval", "30", "--lease-s", "60")
     try:
-        _wait(lambda: count(cp.engine, Tick) >= 1, 30)  # its first pass, at start
-        plan_id = cp.engine.connect().execute(text("SELECT max(id) FROM plans")).scalar()
-        run_plan(cp.engine, now())  # the plan finishes: a wake-up (pearl_plans)
+        def applying() -> int | None:
+            with cp.engine.connect() as conn:
+                return conn.execute(text("SELECT max(id) FROM plans WHERE status = 'applying'")).scalar()
+
+        _wait(lambda: applying() is not None, 30)  # its first pass, at start, applied a plan
+        plan_id = applying()
+        assert run_plan(cp.engine, now())  # the plan finishes: a wake-up (pearl_plans)
         _wait(lambda: count(cp.engine, Tick) >= 2, 20)  # well before its 30 s interval
         ticks = count(cp.engine, Tick)
         cp.rollout_progress(0, 3, batch_size=64)  # a report: a wake-up (pearl_signals), long before 30 s
