@@ -13,12 +13,13 @@ import httpx
 from pearl.controlplane.core.domain import Role
 
 from .drivers.base import DriverError
+from .server_client import http_client
 
 
 class FrontDoorClient:
     def __init__(self, url: str, timeout_s: float = 60.0) -> None:
         self.url = url.rstrip("/")
-        self._http = httpx.Client(timeout=timeout_s)
+        self._http = http_client(timeout_s)
 
     def close(self) -> None:
         self._http.close()

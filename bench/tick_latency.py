@@ -123,9 +123,9 @@ class PhaseTimer:
 def pure_decision(planned: policy_pass.Planned, repeat: int = 3) -> float:
     """The decision the pass made, on the same snapshot, signals and profile, with no database: the
     median of `repeat` runs of PearlPolicy.decide + orchestrate (from the policy's initial memory)."""
-    policy = policy_pass.live_policy(planned.profile)
     times = []
     for _ in range(repeat):
+        policy = policy_pass.live_policy(planned.profile)  # a fresh policy: no assessment to reuse
         memory = policy.initial_memory()
         t0 = time.perf_counter()
         target, _ = policy.decide(planned.snapshot, planned.signals, memory)

@@ -199,6 +199,10 @@ class PearlPolicy:
     name: str = "pearl"
     borrow: Borrow = Borrow.GATED
     forced_split: bool = False
+    # The last assessment and what it was made of, compared by identity: `decide` and the caller's
+    # explanation ask the same question of the same objects within one pass (the memory after the
+    # fold differs only in the step bookkeeping, which the assessment does not read).
+    _assessed: list[Any] = field(default_factory=list, compare=False, repr=False)
 
     @classmethod
     def build(
@@ -255,6 +259,14 @@ class PearlPolicy:
     def assess(self, snapshot: FleetSnapshot, signals: Signals, memory: PearlMemory) -> Assessment:
         """The budgets, what the selector would run on each, and the gate's verdict (module docstring,
         2-4); `decide` turns it into a target, `pearlctl plan --explain` can show it."""
+        inputs = (snapshot, signals, memory.profile, memory.costs, memory.toggle)
+        if self._assessed and all(a is b for a, b in zip(self._assessed[0], inputs, strict=True)):
+            return self._assessed[1]
+        assessment = self._assess(snapshot, signals, memory)
+        self._assessed[:] = [inputs, assessment]
+        return assessment
+
+    def _assess(self, snapshot: FleetSnapshot, signals: Signals, memory: PearlMemory) -> Assessment:
         dedicated = tuple(w.id for w in dedicated_capacity(snapshot))
         overlap = tuple(w.id for w in borrowable(snapshot, signals)) if self.borrow is not Borrow.NEVER else ()
         # The shape of the workers that stay: those leaving (notices, mandatory return) do not count.

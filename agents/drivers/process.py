@@ -146,7 +146,9 @@ class ProcessDriver:
 
     def wait_ready(self, server: Server, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
-        with httpx.Client(timeout=2.0) as client:
+        from pearl.agents.server_client import http_client
+
+        with http_client(2.0) as client:
             while True:
                 if self.running(server.worker_id) is None:
                     tail = self.log_tail(server.worker_id, path=server.log_path)

@@ -24,6 +24,8 @@ so they hold {"engine": EngineProfile as a dict, "measurement": how it was measu
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any
@@ -191,10 +193,25 @@ def measured_engine(row: ProfileRow) -> EngineProfile:
         raise BadInput(f"profiles row {row.id}: params.engine: {where}") from None
 
 
+# Profiles built from the same parameters are the same object: a profile caches its synthetic
+# trajectories and symbols, which a planning pass would otherwise draw again on every pass.
+_BUILT: dict[str, Profile] = {}
+_BUILT_MAX = 32
+
+
+def _built(key: str, build: Callable[[], Profile]) -> Profile:
+    profile = _BUILT.get(key)
+    if profile is None:
+        if len(_BUILT) >= _BUILT_MAX:
+            _BUILT.clear()
+        profile = _BUILT[key] = build()
+    return profile
+
+
 def stored(row: ProfileRow) -> StoredProfile:
     """A catalog or fitted row as a profile."""
     try:
-        profile = profile_from_dict(row.params)
+        profile = _built(json.dumps(row.params, sort_keys=True), lambda: profile_from_dict(row.params))
     except BadInput as exc:
         raise BadInput(f"profiles row {row.id}: {exc}") from None
     return StoredProfile(profile, row.id, row.created_at)
@@ -202,9 +219,11 @@ def stored(row: ProfileRow) -> StoredProfile:
 
 def catalog_prior(key: ProfileKey, workload: Workload) -> Profile:
     """The workload prior with the catalog performance model (keyed device "catalog")."""
-    catalog = default_catalog()
-    perf = PerfModel(catalog.model(key.model), catalog.gpu(key.gpu), key.tp)
-    return profile_from_workload(workload, perf)
+    def build() -> Profile:
+        catalog = default_catalog()
+        return profile_from_workload(workload, PerfModel(catalog.model(key.model), catalog.gpu(key.gpu), key.tp))
+
+    return _built(json.dumps([repr(key), workload.model_dump(mode="json")], sort_keys=True), build)
 
 
 def telemetry_prior(key: ProfileKey, step: StepTelemetry) -> Profile:
