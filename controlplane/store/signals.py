@@ -177,6 +177,13 @@ def _leases_of(session: Session, worker_id: int, *where: object, **values: objec
 # -- rollout progress -----------------------------------------------------------------------------
 
 
+def rollout_position(session: Session) -> tuple[int, int] | None:
+    """The latest rollout step reported and how many of its trajectories remain (None: no report)."""
+    row = session.execute(select(RolloutProgress.step, RolloutProgress.batch_size - RolloutProgress.finished)
+                          .order_by(RolloutProgress.step.desc()).limit(1)).first()
+    return (int(row[0]), int(row[1])) if row is not None else None
+
+
 def report_progress(session: Session, step: int, finished: int, batch_size: int | None = None) -> RolloutProgress:
     """`finished` trajectories of rollout step `step` are done (the first report names the batch size)."""
     _check_step(step)

@@ -5,19 +5,22 @@ Leadership is the `policy` leader lease, renewed at every pass and wait; when th
 (SIGKILL, a lost machine) another copy takes over once the lease runs out (`lease_s`). Wake-ups come
 by NOTIFY (`pearl_signals`: training steps, rollout progress, telemetry, notices; `pearl_plans`: a
 plan finished), coalesced so that a burst of reports makes one pass; polling on the interval stays
-the truth. SIGTERM: the lease is given up at once (a follower takes over within its poll) and the
-loop exits 0.
+the truth. Rollout progress alone wakes a pass only when a new step began or the step's tail came
+(the last decision's `recheck_remaining`), the points at which the simulator decides.
+SIGTERM: the lease is given up at once (a follower takes over within its poll) and the loop exits 0.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass
 
 from pearl.controlplane.errors import DatabaseUnavailable, PearlError
-from pearl.controlplane.store import agent_registry
+from pearl.controlplane.store import agent_registry, signals
+from pearl.controlplane.store.db import transaction
 from pearl.controlplane.store.notifications import listen
 from pearl.policies.live.tick import LEADER, TickResult, default_holder, tick
 from sqlalchemy import Engine
@@ -48,6 +51,8 @@ class PolicyLoop:
         self._listening = threading.Event()
         self._lock = threading.Lock()
         self._events: list[str] = []
+        self._step: int | None = None  # the rollout step the last pass saw
+        self._recheck: int | None = None  # the last decision's tail threshold (Target.recheck_remaining)
 
     def stop(self) -> None:
         self._stop.set()
@@ -61,18 +66,20 @@ class PolicyLoop:
         self._listening.wait(5.0)
         log.info("policy loop %s started (interval %.1f s, lease %.1f s%s)", self.holder, c.interval_s, c.lease_s,
                  ", manual" if c.manual else "", extra={"action": "start_loop"})
+        last_pass = -math.inf
         try:
             while not self._stop.is_set():
                 started = time.monotonic()
-                try:
-                    self._pass()
-                except DatabaseUnavailable as exc:
-                    log.warning("database unavailable: %s", exc, extra={"action": "database_unavailable"})
-                except PearlError as exc:
-                    log.warning("pass failed: %s", exc, extra={"action": "tick_failed"})
-                # renew well within the lease even when nothing happens
-                wait = min(c.interval_s, c.lease_s / 3)
-                self._wake.wait(wait)
+                if started - last_pass >= min(c.interval_s, c.lease_s / 3) or self._worth_a_pass():
+                    last_pass = started
+                    try:
+                        self._pass()
+                    except DatabaseUnavailable as exc:
+                        log.warning("database unavailable: %s", exc, extra={"action": "database_unavailable"})
+                    except PearlError as exc:
+                        log.warning("pass failed: %s", exc, extra={"action": "tick_failed"})
+                # the interval (and the lease's renewal, well within it) bounds the wait
+                self._wake.wait(max(0.0, last_pass + min(c.interval_s, c.lease_s / 3) - time.monotonic()))
                 self._wake.clear()
                 gap = c.min_gap_s - (time.monotonic() - started)
                 if gap > 0 and not self._stop.is_set():
@@ -84,9 +91,36 @@ class PolicyLoop:
                 log.warning("could not give the lease up: %s", exc)
             log.info("policy loop %s stopped", self.holder, extra={"action": "stop_loop"})
 
+    def _worth_a_pass(self) -> bool:
+        """Whether what woke the loop calls for a pass before the interval's: any report but rollout
+        progress does; progress does when a new step began or its tail came (fewer trajectories left
+        than the last decision asked to be woken at), as the simulator decides."""
+        with self._lock:
+            events = set(self._events)
+        if not events:
+            return False
+        if events != {"rollout"}:
+            return True
+        try:
+            with transaction(self.engine) as session:
+                position = signals.rollout_position(session)
+        except PearlError:
+            return True
+        if position is None:
+            return True
+        step, remaining = position
+        if step != self._step or (self._recheck is not None and remaining <= self._recheck):
+            return True
+        with self._lock:
+            self._events = [e for e in self._events if e != "rollout"]
+        return False
+
     def _pass(self) -> TickResult | None:
         with self._lock:
             events, self._events = self._events, []
+        with transaction(self.engine) as session:
+            position = signals.rollout_position(session)
+        self._step = position[0] if position is not None else None
         result = tick(self.engine, holder=self.holder, manual=self.config.manual, lease_s=self.config.lease_s,
                       event=",".join(dict.fromkeys(events)) or "interval", keep_lease=True)
         leading = result.leading
@@ -95,6 +129,7 @@ class PolicyLoop:
             self.leading = leading
         if leading:
             self.passes += 1
+            self._recheck = result.recheck_remaining
         if result.ran or result.amended is not None:
             log.info("pass: %s", result.note, extra={"action": "tick", "plan": result.plan})
         return result

@@ -58,6 +58,8 @@ class TickResult:
     applied: bool = False
     amended: int | None = None  # the applying plan, amended to release workers that must leave now
     leading: bool = True  # the pass held the leader lease (False: another process leads)
+    # the policy asks to decide again once this few trajectories of the step remain (its tail)
+    recheck_remaining: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {"decision": self.decision, "plan": self.plan, "applied": self.applied, "amended": self.amended,
@@ -102,14 +104,15 @@ def _pass(engine: Engine, *, holder: str, manual: bool, event: str) -> TickResul
         serving = {w.id for w in planned.snapshot.workers if w.activity is not Activity.INACTIVE}
         leave = (uncovered | (serving - planned.target.members)) - released
         if not leave:
-            return TickResult(False, f"plan {applying.id} is applying; the next pass decides after it")
+            return TickResult(False, f"plan {applying.id} is applying; the next pass decides after it",
+                              recheck_remaining=planned.target.recheck_remaining)
         reason = (f"workers {sorted(leave)} give their GPUs back now"
                   + (f" ({sorted(uncovered)} must)" if uncovered else f": {planned.target.reason}"))
         with transaction(engine, actor=holder, reason=reason[:500]) as session:
             amended = plan_store.amend_release(session, applying.id, leave, reason)
         return TickResult(False, f"amended plan {applying.id}: {reason}; releasing {list(amended.release)}, "
                                  f"{len(amended.cancelled)} step(s) cancelled", plan=applying.id, applied=True,
-                          amended=applying.id)
+                          amended=applying.id, recheck_remaining=planned.target.recheck_remaining)
     with transaction(engine, isolation_level="REPEATABLE READ") as session:
         planned = policy_pass.decide(session, event=event)
     key = f"v{planned.snapshot.state_version}:{_digest(planned)}"
@@ -117,7 +120,8 @@ def _pass(engine: Engine, *, holder: str, manual: bool, event: str) -> TickResul
         tick_id = session.scalar(insert(Tick).values(key=key, holder=holder).on_conflict_do_nothing()
                                  .returning(Tick.id))
     if tick_id is None:
-        return TickResult(False, f"this state was decided already (tick {key})", key=key)
+        return TickResult(False, f"this state was decided already (tick {key})", key=key,
+                          recheck_remaining=planned.target.recheck_remaining)
     try:
         planned = policy_pass.write_planned(engine, planned, actor=holder, record_unchanged=False)
     except StalePlan as exc:
@@ -139,7 +143,8 @@ def _pass(engine: Engine, *, holder: str, manual: bool, event: str) -> TickResul
         else:
             note += "; waiting for `pearlctl apply` (manual mode)"
     _finish(engine, tick_id, decision_id=planned.decision_id, plan_id=planned.plan_id)
-    return TickResult(True, note, tick_id, key, decision, planned.plan_id, applied)
+    return TickResult(True, note, tick_id, key, decision, planned.plan_id, applied,
+                      recheck_remaining=planned.target.recheck_remaining)
 
 
 def must_leave(session: Session) -> set[int]:

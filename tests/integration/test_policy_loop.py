@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
@@ -15,9 +16,10 @@ import pytest
 from pearl.cli.app import app
 from pearl.controlplane.api import ControlPlane, ReturnsLate
 from pearl.controlplane.core.domain import Activity, PlanStatus
-from pearl.controlplane.store import plan_store, step_effects
+from pearl.controlplane.store import plan_store, signals, step_effects
 from pearl.controlplane.store.db import transaction
 from pearl.controlplane.store.schema import Decision, Plan, Tick, TrainingStep, Worker
+from pearl.policies.live.loop import LoopConfig, PolicyLoop
 from pearl.policies.live.tick import tick
 from plan_support import PEARLCTL, REPO, claim_ready, enact, import_cluster, in_threads, run_plan, small_inventory
 from sqlalchemy import Engine, func, select, text
@@ -214,3 +216,44 @@ def test_the_loop_wakes_on_a_report_not_only_on_its_interval(cp: ControlPlane, d
     finally:
         loop.send_signal(signal.SIGTERM)
         assert loop.wait(10) == 0
+
+
+def _settle(loop: PolicyLoop, quiet_s: float = 1.5) -> None:
+    """Wait until the loop has made no pass for `quiet_s`."""
+    while True:
+        before = loop.passes
+        time.sleep(quiet_s)
+        if loop.passes == before:
+            return
+
+
+def test_progress_within_a_step_wakes_a_pass_only_at_a_new_step_or_its_tail(cp: ControlPlane) -> None:
+    """As the simulator decides: a report of a new step wakes a pass; more trajectories of the same
+    step do not until the tail the last decision asked to be woken at; other reports always do."""
+    loop = PolicyLoop(cp.engine, LoopConfig(interval_s=60, lease_s=180, min_gap_s=0.05))
+    runner = threading.Thread(target=loop.run, daemon=True)
+    runner.start()
+    try:
+        _wait(lambda: loop.passes >= 1, 30)
+        _settle(loop)  # the first plan's own wake-ups
+        seen = loop.passes
+        cp.rollout_progress(0, 1, batch_size=64)  # a new step
+        _wait(lambda: loop.passes > seen, 20)
+        _settle(loop)
+        seen = loop.passes
+        loop._recheck = 8  # the policy's tail threshold for this step
+        for finished in range(2, 40, 4):  # mid-step: 62..26 remain, above the tail
+            cp.rollout_progress(0, finished)
+        time.sleep(2.0)
+        assert loop.passes == seen
+        loop._recheck = 8
+        cp.rollout_progress(0, 57)  # 7 remain: the tail
+        _wait(lambda: loop.passes > seen, 20)
+        seen = loop.passes
+        with transaction(cp.engine, actor="test") as session:  # a report of another kind
+            signals.begin_training(session, 0)
+        _wait(lambda: loop.passes > seen, 20)
+    finally:
+        loop.stop()
+        runner.join(10)
+    assert not runner.is_alive()
