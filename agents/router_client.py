@@ -13,27 +13,13 @@ import httpx
 from pearl.controlplane.core.domain import Role
 
 from .drivers.base import DriverError
-from .server_client import http_client
+from .server_client import HTTPClient
 
 
-class FrontDoorClient:
+class FrontDoorClient(HTTPClient):
     def __init__(self, url: str, timeout_s: float = 60.0) -> None:
+        super().__init__(timeout_s)
         self.url = url.rstrip("/")
-        self._http = http_client(timeout_s)
-
-    def close(self) -> None:
-        self._http.close()
-
-    def __del__(self) -> None:
-        http = getattr(self, "_http", None)
-        if http is not None:
-            http.close()
-
-    def __enter__(self) -> FrontDoorClient:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def _call(self, method: str, path: str, body: Any = None) -> dict[str, Any]:
         try:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import ssl
 import time
-from typing import Any
+from typing import Any, Self
 
 import httpx
 
@@ -46,11 +46,10 @@ def _message(resp: httpx.Response) -> str:
     return str(body)[:500]
 
 
-class ServerClient:
-    def __init__(self, endpoint: str, timeout_s: float = 30.0, fence: int | None = None) -> None:
-        self.endpoint = endpoint.rstrip("/")
-        self.timeout_s = timeout_s
-        self.fence = fence
+class HTTPClient:
+    """An HTTP client's lifetime: closed by `close()`, by `with`, or when collected."""
+
+    def __init__(self, timeout_s: float) -> None:
         self._http = http_client(timeout_s)
 
     def close(self) -> None:
@@ -61,11 +60,19 @@ class ServerClient:
         if http is not None:
             http.close()
 
-    def __enter__(self) -> ServerClient:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class ServerClient(HTTPClient):
+    def __init__(self, endpoint: str, timeout_s: float = 30.0, fence: int | None = None) -> None:
+        super().__init__(timeout_s)
+        self.endpoint = endpoint.rstrip("/")
+        self.timeout_s = timeout_s
+        self.fence = fence
 
     def _call(self, method: str, path: str, body: dict[str, Any] | None = None, timeout_s: float | None = None,
               command: bool = False, ok: tuple[int, ...] = (200,)) -> httpx.Response:
