@@ -15,7 +15,9 @@ to a server carries the claim's fencing token. A handler calls `ctx.check()` (or
   start         take the GPUs in the rows first, then resume a sleeping server (a prefill <-> decode
                 change flips it) or launch one, and wait until it answers
   load_weights  bring the server to the trainer's latest weights (a snapshot from disk)
-  admit         register with the front door, then active in the rows
+  admit         once the worker has the trainer's current weights (a sync may bring a version that came
+                out after its load_weights; `Timeouts.weights_s`), register with the front door, then
+                active in the rows
   flip_role     wait until idle, then `pd_role_switch` in place
   router_sync   switch the front door to the target mode
 """
@@ -93,6 +95,7 @@ class Timeouts:
     # rest, kept by the front door; a flip waits for idle itself): shrinking is urgent, so none.
     drain_s: float = 0.0
     idle_s: float = 60.0  # an interrupted or drained server has nothing left running
+    weights_s: float = 600.0  # an admitted worker reaches the trainer's current weights version
     poll_s: float = 0.05
 
 
@@ -276,8 +279,18 @@ def admit(ctx: StepContext) -> None:
     server = ctx.driver.running(w.id)
     if server is None:
         raise DriverError(f"worker {w.id} has no server to admit")
+    if not ctx.wait(lambda: _has_current_weights(ctx), ctx.timeouts.weights_s, "the current weights"):
+        w = ctx.worker()
+        raise DriverError(f"worker {w.id} has weights version {w.weights_version}, the trainer is at "
+                          f"{w.trainer_version}: version {w.trainer_version} did not arrive within "
+                          f"{ctx.timeouts.weights_s:g} s; not admitted")
     ctx.front_door().register(server.endpoint, Role(ctx.args["role"]).value, server.bootstrap_port)
     ctx.complete()
+
+
+def _has_current_weights(ctx: StepContext) -> bool:
+    w = ctx.worker()
+    return w.weights_version >= w.trainer_version
 
 
 def flip_role(ctx: StepContext) -> None:
