@@ -10,6 +10,12 @@
     verify     `/model_info` reports the version (and the manifest's checksum when the server gives it)
     record     the worker's `weights_version` by the fenced compare-and-set (`store.weights.finish_sync`)
 
+One attempt at a time per worker: an attempt holds the worker's sync lock (a PostgreSQL advisory lock
+on a connection of its own, `store.weights.sync_lock`) while it works, so a duplicate task (sent again
+by the resender, redelivered by the broker) waits, then finds the sync done; a newer version waits
+for the older one to notice it is superseded. The lock goes with the connection: a task killed with
+its worker holds nothing, and the next delivery starts over.
+
 Idempotent: a server already at the version is not loaded again (it is still continued: a task killed
 after its pause leaves the server paused), and the row changes once. A server that does not answer
 (restarting) is retried until `timeout_s`; a refused snapshot fails the sync at once; a server that
@@ -106,8 +112,18 @@ def run_sync(engine: Any, worker_id: int, version: int, *, timeout_s: float = 12
              load: Callable[[Any, rows.SyncJob], str] | None = None) -> SyncOutcome:
     """One task: bring `worker_id` to `version` and record it (module docstring)."""
     deadline = time.monotonic() + timeout_s
-    make = client or (lambda endpoint: ServerClient(endpoint, timeout_s=60.0))
     reason = f"weights version {version} to worker {worker_id}"
+    with rows.sync_lock(engine, worker_id, timeout_s) as held:
+        if not held:
+            log.warning("%s: another sync of worker %d held its lock for %.0f s", reason, worker_id, timeout_s)
+            return SyncOutcome(worker_id, version, "skipped", "another sync of the worker is in flight")
+        return _attempts(engine, worker_id, version, deadline, timeout_s, retry_s, client, actor, load, reason)
+
+
+def _attempts(engine: Any, worker_id: int, version: int, deadline: float, timeout_s: float, retry_s: float,
+              client: Callable[[str], Any] | None, actor: str, load: Callable[[Any, rows.SyncJob], str] | None,
+              reason: str) -> SyncOutcome:
+    make = client or (lambda endpoint: ServerClient(endpoint, timeout_s=60.0))
     while True:
         with transaction(engine, actor=actor, reason=reason) as session:
             job = rows.begin_sync(session, worker_id, version)

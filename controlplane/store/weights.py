@@ -15,6 +15,9 @@ changes nothing, so a redelivered or repeated task takes effect once.
 
 from __future__ import annotations
 
+import contextlib
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,11 +25,12 @@ from pearl.controlplane.core.domain import Activity
 from pearl.controlplane.errors import BadInput, PearlError
 from pearl.controlplane.store.schema import Node, WeightSnapshot, WeightSync, Worker
 from pearl.controlplane.store.transitions import lock_fleet
-from sqlalchemy import func, select, update
+from sqlalchemy import Engine, func, select, text, update
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 
 FINAL = ("done", "failed", "superseded")
+LOCK_SPACE = 7007  # advisory locks (LOCK_SPACE, worker id): one sync attempt per worker at a time
 SERVING = (Activity.ACTIVE, Activity.TRANSITIONING)
 
 
@@ -57,6 +61,35 @@ class SyncJob:
     endpoint: str
     generation: int
     attempts: int
+
+
+@contextlib.contextmanager
+def sync_lock(engine: Engine, worker_id: int, timeout_s: float, poll_s: float = 0.05) -> Iterator[bool]:
+    """Hold the worker's sync lock (True), or give up after `timeout_s` (False). A session-level
+    advisory lock on a connection of its own: released when the block ends or the connection dies."""
+    conn = engine.connect()
+    held = False
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            held = bool(conn.execute(text("SELECT pg_try_advisory_lock(:space, :worker)"),
+                                     {"space": LOCK_SPACE, "worker": worker_id}).scalar())
+            conn.commit()
+            if held or time.monotonic() >= deadline:
+                break
+            time.sleep(poll_s)
+        yield held
+    finally:
+        try:
+            if held:
+                conn.execute(text("SELECT pg_advisory_unlock(:space, :worker)"),
+                             {"space": LOCK_SPACE, "worker": worker_id})
+                conn.commit()
+        except Exception:
+            conn.invalidate()  # never back to the pool holding the lock
+            raise
+        finally:
+            conn.close()
 
 
 def _now(session: Session) -> Any:
