@@ -86,6 +86,7 @@ class SimState:
     weights_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     weights_checksum: str | None = None  # manifest_digest of the snapshot loaded (None: the initial weights)
     weight_loads: int = 0  # snapshots (or broadcasts) taken since the start
+    groups: dict[str, Any] = field(default_factory=dict)  # weight-update groups joined (name -> process group)
 
     def serving_problem(self) -> str | None:
         if self.stopping:
@@ -372,6 +373,59 @@ def build_app(state: SimState) -> web.Application:
         return web.json_response({"success": True, "num_paused_requests": 0,
                                   "message": f"Succeeded to update model weights ({snap.tensors} tensors, "
                                              f"{snap.checked} checksums verified)."})
+
+    @routes.post("/init_weights_update_group")
+    async def init_group(request: web.Request) -> web.Response:
+        if (refused := _fenced(state, request)) is not None:
+            return refused
+        body = await _body(request)
+        try:
+            name = str(body.get("group_name") or "default")
+            host, port = str(body["master_address"]), int(body["master_port"])
+            rank, world = int(body["rank_offset"]), int(body["world_size"])
+        except (KeyError, TypeError, ValueError) as exc:
+            return web.json_response({"success": False, "message": f"bad group: {exc}"}, status=400)
+        from pearl.controlplane.weights.broadcast import join_group
+
+        try:
+            state.groups[name] = await asyncio.to_thread(join_group, host, port, rank, world,
+                                                         str(body.get("backend") or "gloo"))
+        except Exception as exc:  # torch's errors (a store that does not answer, a timeout)
+            return web.json_response({"success": False, "message": f"joining {name}: {exc}"}, status=400)
+        return web.json_response({"success": True, "message": f"joined {name} as rank {rank} of {world}"})
+
+    @routes.post("/update_weights_from_distributed")
+    async def update_distributed(request: web.Request) -> web.Response:
+        if (refused := _fenced(state, request)) is not None:
+            return refused
+        body = await _body(request)
+        name = str(body.get("group_name") or "default")
+        pg, spec = state.groups.get(name), body.get("layout")
+        if pg is None or not isinstance(spec, dict):
+            return web.json_response({"success": False, "message": f"no weight-update group {name} (or no layout)"},
+                                     status=400)
+        from pearl.controlplane.weights.broadcast import layout_checksum, receive
+
+        async with state.weights_lock:
+            try:
+                tensors = await asyncio.to_thread(receive, pg, spec)
+            except SnapshotError as exc:
+                return web.json_response({"success": False, "message": f"Failed to update weights: {exc}; kept "
+                                                                       f"version {state.weight_version}"}, status=400)
+            if body.get("weight_version") is not None:
+                state.weight_version = str(body["weight_version"])
+            state.weights_checksum = layout_checksum(spec)
+            state.weight_loads += 1
+            if body.get("flush_cache", True) and rt.idle:
+                rt.flush_cache()
+        return web.json_response({"success": True, "message": f"Succeeded to update model weights ({len(tensors)} "
+                                                              "tensors received, checksums verified)."})
+
+    @routes.post("/destroy_weights_update_group")
+    async def destroy_group(request: web.Request) -> web.Response:
+        body = await _body(request, required=False)
+        state.groups.pop(str(body.get("group_name") or "default"), None)
+        return web.json_response({"success": True})
 
     app = web.Application(client_max_size=256 * 1024 * 1024)
     app.add_routes(routes)

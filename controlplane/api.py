@@ -89,10 +89,12 @@ class ControlPlane:
         return TrainingStarted(step, True, time.monotonic() - t0, late, ())
 
     def training_end(self, step: int, *, weights_version: int | None = None, snapshot: str | None = None,
-                     actor: str = "trainer") -> list[weight_rows.SyncTask]:
+                     actor: str = "trainer", delivered: dict[int, str] | None = None) -> list[weight_rows.SyncTask]:
         """Optimizer step `step` ended. With a snapshot: its files are checked against its manifest
         first (BadInput naming the tensor), it is registered as `weights_version`, and each serving
-        worker's sync is queued and sent to its node. The syncs queued."""
+        worker's sync is queued. `delivered` (worker id -> endpoint): servers the trainer's broadcast
+        brought to the version already; their syncs are recorded here (fenced as a task's), the others
+        are sent to their nodes' queues. The syncs sent."""
         from pearl.controlplane.weights import check_snapshot
 
         snap = None
@@ -110,10 +112,33 @@ class ControlPlane:
                 weight_rows.register_snapshot(session, weights_version, snapshot, manifest, snap.bytes,
                                               manifest_digest(manifest))
                 tasks = weight_rows.enqueue_syncs(session, weights_version)
+        if delivered and weights_version is not None:
+            tasks = [t for t in tasks if not self._record_broadcast(t, delivered.get(t.worker_id), actor)]
         if tasks:
             sync_dispatch.send(tasks, self.broker_url if self.broker_url is not None
                                else sync_dispatch.dispatch_broker())
         return tasks
+
+    def _record_broadcast(self, task: weight_rows.SyncTask, endpoint: str | None, actor: str) -> bool:
+        """The broadcast brought `task`'s worker to its version: record it (True), unless the worker's
+        server is no longer the one reached (False: the snapshot path brings it)."""
+        if endpoint is None:
+            return False
+        reason = f"weights version {task.version} to worker {task.worker_id} by broadcast"
+        with transaction(self.engine, actor=actor, reason=reason) as session:
+            job = weight_rows.begin_sync(session, task.worker_id, task.version)
+        if isinstance(job, str):
+            return True  # nothing left to do
+        try:
+            with transaction(self.engine, actor=actor, reason=reason) as session:
+                if job.endpoint != endpoint:
+                    raise weight_rows.SyncFenced(f"worker {task.worker_id} now serves at {job.endpoint}")
+                weight_rows.finish_sync(session, job, method="broadcast")
+            return True
+        except weight_rows.SyncFenced as exc:
+            with transaction(self.engine, actor=actor, reason=reason) as session:
+                weight_rows.fail_sync(session, job, str(exc), final=False)
+            return False
 
     def rollout_progress(self, step: int, finished: int, batch_size: int | None = None, *,
                          actor: str = "rollout") -> None:

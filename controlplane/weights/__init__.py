@@ -69,20 +69,29 @@ def write_snapshot(state_dict: dict[str, Any], directory: str | Path, *, version
 
 
 def publish_weights(state_dict: dict[str, Any], directory: str | Path, *, step: int, version: int,
-                    cp: Any = None, actor: str = "trainer") -> Snapshot:
+                    cp: Any = None, group: Any = None, actor: str = "trainer") -> dict[int, str]:
     """Write the snapshot, then report the training step's end with it: every serving worker is
-    brought to `version` (`cp`: a ControlPlane; default: a new one on PEARL_DATABASE_URL)."""
+    brought to `version` (`cp`: a ControlPlane; default: a new one on PEARL_DATABASE_URL). With a
+    sync group (`broadcast.SyncGroup`, set up), its members get the tensors by broadcast first; the
+    others, and any member the broadcast did not reach, by the snapshot. Worker id -> how."""
     from pearl.controlplane.api import ControlPlane
 
     snap = write_snapshot(state_dict, directory, version=version)
+    delivered: dict[int, str] = {}
+    if group is not None:
+        results = group.broadcast(state_dict, version, {n: t.sha256 for n, t in snap.info.items()})
+        delivered = {w: group.members[w] for w, error in results.items() if error is None}
     own = cp is None
     cp = cp or ControlPlane()
     try:
-        cp.training_end(step, weights_version=version, snapshot=str(directory), actor=actor)
+        tasks = cp.training_end(step, weights_version=version, snapshot=str(directory), actor=actor,
+                                delivered=delivered)
     finally:
         if own:
             cp.close()
-    return snap
+    how = {t.worker_id: "snapshot" for t in tasks}
+    how.update({w: "broadcast" for w in delivered if w not in how})
+    return how
 
 
 def write_demo_snapshot(directory: Path, version: int) -> str:
