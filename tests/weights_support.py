@@ -88,9 +88,10 @@ class LiveFleet:
         thread.start()
         self.agents.append((agent, thread))
 
-    def start_worker(self, node: str) -> subprocess.Popen:
+    def start_worker(self, node: str, concurrency: int = 4) -> subprocess.Popen:
         log = (self.run_dir / f"worker-{node}.log").open("ab")
-        proc = subprocess.Popen([str(PEARLCTL), "worker", "--node", node, "--concurrency", "4", "--resend-s", "2"],
+        proc = subprocess.Popen([str(PEARLCTL), "worker", "--node", node, "--concurrency", str(concurrency),
+                                 "--resend-s", "2"],
                                 env=self.env, cwd=REPO, stdin=subprocess.DEVNULL, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True)
         log.close()
