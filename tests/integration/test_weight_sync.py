@@ -12,8 +12,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from pearl.controlplane.core.domain import Role
+from pearl.controlplane.core.fleet import Target
 from pearl.controlplane.errors import BadInput
+from pearl.controlplane.store import plan_store
 from pearl.controlplane.store.db import transaction
+from plan_support import propose
 from sqlalchemy import Engine, text
 from weights_support import LiveFleet, bring_up, snapshot, sync_rows, version_moves, wait_for
 
@@ -57,6 +61,7 @@ def test_training_end_brings_every_serving_worker_to_the_new_version_once(live: 
         assert live.stop_worker(node) == 0, live.worker_log(node)
 
 
+@pytest.mark.reliability
 def test_a_sync_across_a_server_restart_takes_effect_once(live: LiveFleet, tmp_path: Path) -> None:
     live.start_agent("node-a")
     live.start_worker("node-a")
@@ -86,6 +91,7 @@ def test_a_sync_across_a_server_restart_takes_effect_once(live: LiveFleet, tmp_p
         log.close()
 
 
+@pytest.mark.reliability
 def test_a_celery_worker_killed_mid_task_is_redelivered_and_takes_effect_once(
         db_engine: Engine, database_url: str, broker: str, tmp_path: Path, pearlctl_env: dict[str, str]) -> None:
     # a slow load (4 s of wall time), so the worker is killed while the server loads
@@ -142,3 +148,46 @@ def test_a_corrupted_snapshot_is_refused_naming_the_tensor_and_the_server_keeps_
     assert "tensor lm_head.weight: checksum mismatch" in row["error"] and "kept version 1" in row["error"]
     assert live.versions() == {1: 1}
     assert live.served(1)["version"] == "1" and live.served(1)["paused"] is None
+
+
+@pytest.mark.parametrize("broker", ["redis"], indirect=True)
+def test_in_pd_mode_the_prefill_and_the_decode_servers_both_get_the_version(live: LiveFleet) -> None:
+    for node in ("node-a", "node-b"):
+        live.start_agent(node)
+        live.start_worker(node)
+    plan_id = propose(live.engine, Target(frozenset({1, 3}), {Role.PREFILL: 1, Role.DECODE: 1}, reason="test"))
+    plan_store.apply(live.engine, plan_id)
+    live.wait_plan(plan_id, 60)
+    with transaction(live.engine) as s:
+        roles = dict(s.execute(text("SELECT id, role FROM workers WHERE activity = 'active'")).all())
+    assert sorted(roles.values()) == ["decode", "prefill"]
+    live.train(1, 1)
+    live.wait_versions(set(roles), 1)
+    for w in roles:
+        assert live.served(w)["version"] == "1" and version_moves(live.engine, w, 1) == 1
+
+
+@pytest.mark.reliability
+def test_a_broker_restart_loses_no_sync(db_engine: Engine, database_url: str, tmp_path: Path,
+                                        pearlctl_env: dict[str, str]) -> None:
+    from pearl.controlplane.services.embedded import start_redis, stop_redis
+
+    home = tmp_path / "redis-home"
+    broker = start_redis(home)
+    live = bring_up(db_engine, database_url, broker, tmp_path, pearlctl_env)
+    try:
+        live.start_agent("node-a")
+        live.serve({1, 2})
+        live.start_worker("node-a")
+        live.train(1, 1)
+        live.wait_versions({1, 2}, 1)
+        stop_redis(home)  # the broker goes away (no persistence: its queues are gone)
+        live.train(2, 2)  # the syncs are queued in the rows; sending them fails
+        assert {r["state"] for r in sync_rows(live.engine) if r["version"] == 2} == {"queued"}
+        assert start_redis(home) == broker
+        live.wait_versions({1, 2}, 2, timeout_s=60)  # the node's worker reconnects and sends them again
+        assert all(version_moves(live.engine, w, 2) == 1 for w in (1, 2))
+        live.assert_running("node-a")
+    finally:
+        live.stop()
+        stop_redis(home)
