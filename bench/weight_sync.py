@@ -159,7 +159,7 @@ def latency(server: BenchServer, broker: str, servers: int, repeat: int, work: P
     env["PEARL_HOME"] = str(work / "home")
     run_dir = work / f"run-{servers}-{broker.split(':')[0]}"
     run_dir.mkdir(parents=True, exist_ok=True)
-    fleet = LiveFleet(engine, url, broker, run_dir, env, sim_args=("--weight-load-s", "0.2"))
+    fleet = LiveFleet(engine, url, broker, run_dir, env, sim_args=("--weight-load-s", "0.2"), lease_s=60.0)
     try:
         t = time.perf_counter()
         for node in ("node-a", "node-b"):

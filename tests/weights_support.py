@@ -67,12 +67,14 @@ class LiveFleet:
     """Agents (threads, sim driver) and Celery workers (processes) over one database and broker."""
 
     def __init__(self, engine: Engine, database_url: str, broker: str, run_dir: Path, env: dict[str, str],
-                 sim_args: tuple[str, ...] = ("--weight-load-s", "2"), weights_s: float = 60.0) -> None:
+                 sim_args: tuple[str, ...] = ("--weight-load-s", "2"), weights_s: float = 60.0,
+                 lease_s: float = 5.0) -> None:
         self.engine, self.database_url, self.broker, self.run_dir = engine, database_url, broker, run_dir
         self.env = {**env, "PEARL_DATABASE_URL": database_url, "PEARL_BROKER_URL": broker,
                     "PEARL_SYNC_VISIBILITY_S": "5", "PEARL_SYNC_TIMEOUT_S": "30"}
         self.sim_args = sim_args
         self.weights_s = weights_s
+        self.lease_s = lease_s
         self.drivers: dict[str, Any] = {}
         self.agents: list[tuple[Agent, threading.Thread]] = []
         self.workers: dict[str, subprocess.Popen] = {}
@@ -81,7 +83,7 @@ class LiveFleet:
     def start_agent(self, node: str) -> None:
         driver = self.drivers.setdefault(node, make_driver("sim", self.run_dir / "servers" / node, speed=SPEED,
                                                            extra_args=self.sim_args))
-        config = AgentConfig(node=node, driver="sim", lease_s=5.0, poll_s=0.1, heartbeat_s=0.5,
+        config = AgentConfig(node=node, driver="sim", lease_s=self.lease_s, poll_s=0.1, heartbeat_s=0.5,
                              timeouts=Timeouts(ready_s=30, idle_s=5, poll_s=0.02, weights_s=self.weights_s))
         agent = Agent(self.engine, config, driver, client=client, front_door=NoFrontDoor)
         thread = threading.Thread(target=agent.run, name=f"agent-{node}", daemon=True)
