@@ -70,46 +70,79 @@ def layout(state_dict: dict[str, Any], bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     return {"tensors": tensors, "buckets": sizes}, buckets
 
 
-def send(pg: Any, buckets: list[list[tuple[str, memoryview]]]) -> int:
-    """Rank 0: broadcast every bucket; the bytes sent."""
+def _pack(bucket: list[tuple[str, memoryview]]) -> Any:
     import torch
 
+    if len(bucket) == 1:  # one tensor: sent from its own memory, no copy
+        return torch.frombuffer(bucket[0][1], dtype=torch.uint8) if bucket[0][1].nbytes else torch.empty(0)
+    buf = torch.empty(sum(d.nbytes for _, d in bucket), dtype=torch.uint8)
+    view = buf.numpy()
+    at = 0
+    for _, data in bucket:
+        view[at:at + data.nbytes] = data
+        at += data.nbytes
+    return buf
+
+
+def send(pg: Any, buckets: list[list[tuple[str, memoryview]]]) -> int:
+    """Rank 0: broadcast every bucket, packing the next one while the last is on the wire; the bytes
+    sent."""
+    import torch.distributed as dist
+
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
     total = 0
+    in_flight: Any = None
     for bucket in buckets:
-        size = sum(d.nbytes for _, d in bucket)
-        buf = torch.empty(size, dtype=torch.uint8)
-        view = buf.numpy()
-        at = 0
-        for _, data in bucket:
-            view[at:at + data.nbytes] = memoryview(data).cast("B")
-            at += data.nbytes
-        _broadcast(pg, buf)
-        total += size
+        buf = _pack(bucket)
+        work = pg.broadcast([buf], opts)
+        if in_flight is not None:
+            in_flight.wait()
+        in_flight = work
+        total += buf.numel()
+    if in_flight is not None:
+        in_flight.wait()
     return total
 
 
-def receive(pg: Any, spec: dict[str, Any]) -> dict[str, tuple[str, list[int], bytes]]:
-    """A server rank: receive every bucket of `spec` (all of them, so the collective completes), then
-    check every tensor's sha256; SnapshotError naming the first tensor that does not match."""
-    import torch
+def _check(spec_tensors: list[dict[str, Any]], data: memoryview) -> list[tuple[str, str]]:
+    """(name, sha256) of each tensor of one bucket (hashlib releases the GIL: this runs beside the
+    next bucket's transfer)."""
+    return [(t["name"], hashlib.sha256(data[t["offset"]:t["offset"] + t["nbytes"]]).hexdigest())
+            for t in spec_tensors]
 
-    sizes = [int(n) for n in spec["buckets"]]
-    received = []
-    for size in sizes:
-        buf = torch.empty(size, dtype=torch.uint8)
-        _broadcast(pg, buf)
-        received.append(buf.numpy().tobytes())
-    out: dict[str, tuple[str, list[int], bytes]] = {}
+
+def receive(pg: Any, spec: dict[str, Any]) -> dict[str, tuple[str, list[int], memoryview]]:
+    """A server rank: receive every bucket of `spec` (all of them, so the collective completes),
+    checking each bucket's tensors while the next one arrives; then SnapshotError naming the first
+    tensor whose sha256 does not match."""
+    import torch
+    import torch.distributed as dist
+
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    by_bucket: dict[int, list[dict[str, Any]]] = {}
     for t in spec["tensors"]:
         name, dtype, shape = t["name"], t["dtype"], list(t["shape"])
         if dtype not in DTYPE_BYTES or math.prod(shape) * DTYPE_BYTES[dtype] != t["nbytes"]:
             raise SnapshotError(f"tensor {name}: {t['nbytes']} bytes for shape {shape} {dtype}")
-        data = received[t["bucket"]][t["offset"]:t["offset"] + t["nbytes"]]
-        digest = hashlib.sha256(data).hexdigest()
-        if digest != t["sha256"]:
-            raise SnapshotError(f"tensor {name}: checksum mismatch (sha256 {digest[:12]}..., "
+        by_bucket.setdefault(int(t["bucket"]), []).append(t)
+    views: list[memoryview] = []
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        checks = []
+        for i, size in enumerate(int(n) for n in spec["buckets"]):
+            buf = torch.empty(size, dtype=torch.uint8)
+            pg.broadcast([buf], opts).wait()
+            views.append(memoryview(buf.numpy()))
+            checks.append(pool.submit(_check, by_bucket.get(i, []), views[-1]))
+        digests = dict(d for c in checks for d in c.result())
+    out: dict[str, tuple[str, list[int], memoryview]] = {}
+    for t in spec["tensors"]:
+        name = t["name"]
+        if digests[name] != t["sha256"]:
+            raise SnapshotError(f"tensor {name}: checksum mismatch (sha256 {digests[name][:12]}..., "
                                 f"expected {str(t['sha256'])[:12]}...)")
-        out[name] = (dtype, shape, data)
+        out[name] = (t["dtype"], list(t["shape"]), views[t["bucket"]][t["offset"]:t["offset"] + t["nbytes"]])
     return out
 
 
