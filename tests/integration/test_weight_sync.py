@@ -16,6 +16,7 @@ from pearl.controlplane.core.domain import Role
 from pearl.controlplane.core.fleet import Target
 from pearl.controlplane.errors import BadInput
 from pearl.controlplane.store import plan_store
+from pearl.controlplane.store import weights as rows
 from pearl.controlplane.store.db import transaction
 from plan_support import propose
 from sqlalchemy import Engine, text
@@ -191,3 +192,25 @@ def test_a_broker_restart_loses_no_sync(db_engine: Engine, database_url: str, tm
     finally:
         live.stop()
         stop_redis(home)
+
+
+@pytest.mark.parametrize("broker", ["redis"], indirect=True)
+def test_a_newer_version_supersedes_one_not_yet_loaded_and_no_worker_goes_back(live: LiveFleet) -> None:
+    live.start_agent("node-a")
+    live.serve({1, 2})
+    live.train(1, 1)  # no worker for node-a yet: the syncs of version 1 wait in the rows
+    live.train(2, 2)
+    states = {(r["worker_id"], r["version"]): r["state"] for r in sync_rows(live.engine)}
+    assert states == {(1, 1): "superseded", (2, 1): "superseded", (1, 2): "queued", (2, 2): "queued"}
+    live.start_worker("node-a")
+    live.wait_versions({1, 2}, 2)
+    for w in (1, 2):
+        assert version_moves(live.engine, w, 1) == 0 and version_moves(live.engine, w, 2) == 1
+        assert live.served(w)["version"] == "2" and live.served(w)["loads"] == 1  # version 1 never loaded
+    with transaction(live.engine) as s:  # a late report of the older version changes nothing
+        sync_id, generation = s.execute(text(
+            "SELECT s.id, w.generation FROM weight_syncs s JOIN workers w ON w.id = s.worker_id "
+            "WHERE s.worker_id = 1 AND s.version = 1")).one()
+        late = rows.SyncJob(sync_id, 1, 1, "", "", 0, live.endpoint(1), generation, 1)
+        assert rows.finish_sync(s, late, method="snapshot") is False
+    assert live.versions() == {1: 2, 2: 2}
