@@ -49,8 +49,9 @@ def create_app(broker_url: str, node: str) -> Any:
 
 
 def resend_pending(app: Any, broker_url: str, node: str) -> int:
+    """Send the node's unfinished syncs that no live attempt is working on."""
     with transaction(engine()) as session:
-        tasks = rows.pending_syncs(session, node=node)
+        tasks = rows.pending_syncs(session, node=node, idle_only=True)
     return sync_dispatch.send(tasks, broker_url, app=app)
 
 

@@ -132,8 +132,10 @@ def enqueue_syncs(session: Session, version: int) -> list[SyncTask]:
     return pending_syncs(session, version=version)
 
 
-def pending_syncs(session: Session, *, node: str | None = None, version: int | None = None) -> list[SyncTask]:
-    """Unfinished syncs (queued, or running when a task died), oldest first: what a queue should hold."""
+def pending_syncs(session: Session, *, node: str | None = None, version: int | None = None,
+                  idle_only: bool = False) -> list[SyncTask]:
+    """Unfinished syncs (queued, or running when a task died), oldest first: what a queue should hold.
+    `idle_only`: leave out the workers a live attempt holds the sync lock of (it is at work on them)."""
     q = (select(WeightSync.id, WeightSync.worker_id, Node.name, WeightSync.version)
          .join(Worker, Worker.id == WeightSync.worker_id).join(Node, Node.id == Worker.node_id)
          .where(WeightSync.state.in_(("queued", "running"))).order_by(WeightSync.id))
@@ -141,7 +143,14 @@ def pending_syncs(session: Session, *, node: str | None = None, version: int | N
         q = q.where(Node.name == node)
     if version is not None:
         q = q.where(WeightSync.version == version)
-    return [SyncTask(*row) for row in session.execute(q)]
+    tasks = [SyncTask(*row) for row in session.execute(q)]
+    if idle_only and tasks:
+        held = set(session.scalars(text(
+            "SELECT objid::bigint FROM pg_locks WHERE locktype = 'advisory' AND classid = :space AND objsubid = 2 "
+            "AND granted AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"),
+            {"space": LOCK_SPACE}))
+        tasks = [t for t in tasks if t.worker_id not in held]
+    return tasks
 
 
 def _finish(session: Session, sync: WeightSync, state: str, *, error: str | None = None,

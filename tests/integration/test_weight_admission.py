@@ -21,6 +21,7 @@ from pearl.controlplane.api import ControlPlane
 from pearl.controlplane.core.domain import Role, StepStatus
 from pearl.controlplane.core.fleet import Target
 from pearl.controlplane.store import plan_store
+from pearl.controlplane.store import weights as rows
 from pearl.controlplane.store.db import transaction
 from pearl.controlplane.store.fleet_status import read_fleet_status
 from plan_support import PEARLCTL, REPO, claim_ready, import_cluster, propose, report
@@ -86,6 +87,11 @@ def test_a_version_that_never_arrives_fails_the_admission_clearly(db_engine: Eng
                                           r"arrive within 0.3 s; not admitted"):
         admit(context(db_engine, step, servers, driver, front_door, weights_s=0.3))
     assert activity(db_engine) == "transitioning" and front_door.workers == {}
+    with transaction(db_engine) as s:  # the queued sync is sent again, unless a live attempt holds its worker
+        assert [t.worker_id for t in rows.pending_syncs(s, node="node-a", idle_only=True)] == [1]
+    with rows.sync_lock(db_engine, 1, timeout_s=1) as held, transaction(db_engine) as s:
+        assert held and rows.pending_syncs(s, node="node-a", idle_only=True) == []
+        assert [t.worker_id for t in rows.pending_syncs(s, node="node-a")] == [1]
 
 
 def test_a_newly_admitted_worker_serves_only_once_it_has_the_current_version(db_engine: Engine, tmp_path: Path,
