@@ -35,6 +35,7 @@ from pearl.agents.drivers.base import Driver, DriverError, Server, ServerSpec, W
 from pearl.controlplane.core.domain import Role, StepAction, WorkerZone
 from pearl.controlplane.errors import PearlError
 from pearl.controlplane.store import plan_store, step_effects
+from pearl.controlplane.store import weights as weight_rows
 from pearl.controlplane.store.db import transaction
 from pearl.controlplane.store.step_view import WorkerView, worker_view
 
@@ -283,14 +284,31 @@ def admit(ctx: StepContext) -> None:
         w = ctx.worker()
         raise DriverError(f"worker {w.id} has weights version {w.weights_version}, the trainer is at "
                           f"{w.trainer_version}: version {w.trainer_version} did not arrive within "
-                          f"{ctx.timeouts.weights_s:g} s; not admitted")
+                          f"{ctx.timeouts.weights_s:g} s; not admitted{_sync_note(ctx, w.id)}")
     ctx.front_door().register(server.endpoint, Role(ctx.args["role"]).value, server.bootstrap_port)
     ctx.complete()
 
 
 def _has_current_weights(ctx: StepContext) -> bool:
+    """The worker has the trainer's version; DriverError at once when its sync to it failed."""
     w = ctx.worker()
-    return w.weights_version >= w.trainer_version
+    if w.weights_version >= w.trainer_version:
+        return True
+    with transaction(ctx.engine) as session:
+        sync = weight_rows.last_sync_states(session).get(w.id)
+    if sync and sync["version"] == w.trainer_version and sync["state"] == "failed":
+        raise DriverError(f"worker {w.id}: its sync to weights version {w.trainer_version} failed "
+                          f"({sync['error']}); not admitted")
+    return False
+
+
+def _sync_note(ctx: StepContext, worker_id: int) -> str:
+    with transaction(ctx.engine) as session:
+        sync = weight_rows.last_sync_states(session).get(worker_id)
+    if not sync:
+        return " (no sync of it was queued)"
+    return f" (its sync to version {sync['version']} is {sync['state']}" + (
+        f": {sync['error']})" if sync["error"] else "; is the node's `pearlctl worker` running?)")
 
 
 def flip_role(ctx: StepContext) -> None:

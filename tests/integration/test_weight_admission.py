@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import threading
+import time
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -83,8 +84,9 @@ def test_a_version_that_never_arrives_fails_the_admission_clearly(db_engine: Eng
     cp.training_begin(1, wait_s=0)
     queued = cp.training_end(1, weights_version=1, snapshot=str(snapshot(tmp_path / "v1", 1)))
     assert [(t.worker_id, t.node, t.version) for t in queued] == [(1, "node-a", 1)]  # being admitted: synced too
-    with pytest.raises(DriverError, match=r"worker 1 has weights version 0, the trainer is at 1: version 1 did not "
-                                          r"arrive within 0.3 s; not admitted"):
+    with pytest.raises(DriverError, match=r"worker 1 has weights version 0, the trainer is at 1: version 1 did "
+                                          r"not arrive within 0.3 s; not admitted \(its sync to version 1 is "
+                                          r"queued; is the node's `pearlctl worker` running\?\)"):
         admit(context(db_engine, step, servers, driver, front_door, weights_s=0.3))
     assert activity(db_engine) == "transitioning" and front_door.workers == {}
     with transaction(db_engine) as s:  # the queued sync is sent again, unless a live attempt holds its worker
@@ -92,6 +94,15 @@ def test_a_version_that_never_arrives_fails_the_admission_clearly(db_engine: Eng
     with rows.sync_lock(db_engine, 1, timeout_s=1) as held, transaction(db_engine) as s:
         assert held and rows.pending_syncs(s, node="node-a", idle_only=True) == []
         assert [t.worker_id for t in rows.pending_syncs(s, node="node-a")] == [1]
+    with transaction(db_engine) as s:  # the sync fails for good (a snapshot the server refused)
+        job = rows.begin_sync(s, 1, 1)
+        assert not isinstance(job, str)
+        rows.fail_sync(s, job, "tensor lm_head.weight: checksum mismatch", final=True)
+    t0 = time.monotonic()
+    with pytest.raises(DriverError, match=r"worker 1: its sync to weights version 1 failed \(tensor lm_head.weight: "
+                                          r"checksum mismatch\); not admitted"):
+        admit(context(db_engine, step, servers, driver, front_door, weights_s=30))
+    assert time.monotonic() - t0 < 5  # at once, not after the timeout
 
 
 def test_a_newly_admitted_worker_serves_only_once_it_has_the_current_version(db_engine: Engine, tmp_path: Path,
