@@ -1,7 +1,8 @@
 """`pearlctl demo`: the whole system live on one machine, beside the simulator's figures for the same work.
 
-1. Services: the embedded PostgreSQL and Redis under PEARL_HOME (started if needed, stopped at the end
-   if the demo started them), or the servers PEARL_DATABASE_URL / PEARL_BROKER_URL name. The demo's
+1. Services: the embedded PostgreSQL and Redis (the weight-sync broker) under PEARL_HOME (started if
+   needed, stopped at the end if the demo started them), or the servers PEARL_DATABASE_URL /
+   PEARL_BROKER_URL name. The demo's
    rows go to a database of their own, `pearl_demo`, created afresh on that server (left there after
    the run, for the SQL views).
 2. The schema, and an inventory from the scenario: a training node (its GPUs are the overlap zone), a
@@ -10,7 +11,7 @@
 3. As separate processes (`agents.fleet.LocalFleet`): the front door over the real sglang-router, one
    agent per node with the `sim` driver (which launches the simulated SGLang servers, `speed` times
    faster than the wall clock, with the scenario's start-up, role-switch and weight-load times), one
-   Celery worker per node when the weight-sync worker is installed, and the policy loop.
+   weight-sync Celery worker per node (`pearlctl worker`), and the policy loop.
 4. The trainer emulator (`agents.trainer`): the scenario's batches through the front door, progress,
    telemetry, training begin and end with a snapshot per step, and the preemptible trace replayed
    as grants and revocations with notice. Meanwhile the simulator runs the same scenario for every
@@ -24,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.util
 import json
 import os
 import signal
@@ -47,6 +47,7 @@ from pearl.controlplane.services.settings import Settings, get_settings, redact_
 from pearl.controlplane.store.db import make_engine, recreate_database, transaction, upgrade
 from pearl.controlplane.store.fleet_status import activity_timeline, read_fleet_status, run_summary
 from pearl.controlplane.store.inventory_import import import_inventory
+from pearl.controlplane.weights import write_demo_snapshot
 from pearl.sim.scenario import Scenario, load_scenario
 
 DEMO_DATABASE = "pearl_demo"
@@ -112,7 +113,7 @@ class Demo:
 
     # -- services ------------------------------------------------------------------------------------
 
-    def _services(self) -> tuple[str, str | None]:
+    def _services(self) -> tuple[str, str]:
         s = self.cfg.settings
         if s.database_url:
             base = embedded.database_url(s)
@@ -121,15 +122,13 @@ class Demo:
             base = embedded.start_postgres(self.home)
             if not was:
                 self.started.append("postgresql")
-        broker: str | None = None
-        if s.broker_url or importlib.util.find_spec("pearl.agents.celery_app"):
-            if s.broker_url:
-                broker = embedded.broker_url(s)
-            else:
-                was = embedded.redis_status(s).running
-                broker = embedded.start_redis(self.home)
-                if not was:
-                    self.started.append("redis")
+        if s.broker_url:
+            broker = embedded.broker_url(s)
+        else:
+            was = embedded.redis_status(s).running
+            broker = embedded.start_redis(self.home)
+            if not was:
+                self.started.append("redis")
         return recreate_database(base, DEMO_DATABASE), broker
 
     def _stop_services(self) -> None:
@@ -178,9 +177,7 @@ class Demo:
             upgrade(engine)
             with transaction(engine, actor="pearlctl demo", reason="demo inventory") as session:
                 import_inventory(session, inventory_for(sc, self.cfg.speed))
-            env = {"PEARL_DATABASE_URL": database, "PEARL_HOME": str(self.home)}
-            if broker:
-                env["PEARL_BROKER_URL"] = broker
+            env = {"PEARL_DATABASE_URL": database, "PEARL_HOME": str(self.home), "PEARL_BROKER_URL": broker}
             self.fleet = fleet = LocalFleet(self.run_dir, env)
             port = free_port()
             fleet.start_front_door(port)
@@ -190,17 +187,16 @@ class Demo:
             nodes = [n.name for n in inventory_for(sc, self.cfg.speed).nodes]
             for node in nodes:
                 fleet.start_agent(node, speed=self.cfg.speed, sim_args=sim_args)
-                if broker:
-                    fleet.start_worker(node)
+                fleet.start_worker(node)
             fleet.start_loop(self.cfg.loop_interval_s, lease_s=max(5.0, 5 * self.cfg.loop_interval_s))
             if self.cfg.simulate:
                 sim = self._simulate(duration)
             self._wait_ready(engine, len(nodes))
-            cp = ControlPlane(engine=engine)
+            cp = ControlPlane(engine=engine, broker_url=broker)
             spot = NODES[NodeZone.PREEMPTIBLE] if NODES[NodeZone.PREEMPTIBLE] in nodes else None
             self.trainer = TrainerEmulator(sc, cp, f"http://127.0.0.1:{port}", speed=self.cfg.speed,
                                            snapshot_dir=self.run_dir / "snapshots", preemptible_node=spot,
-                                           write_snapshot=_snapshot_writer())
+                                           write_snapshot=write_demo_snapshot)
             if self._stop_reason is None:
                 self.trainer.grant_initial()
                 self._warm_up(engine)  # the simulator starts with its first fleet in place: so does the run
@@ -318,12 +314,3 @@ class Demo:
             return {name: {k: s[k] for k in ("tokens_per_s", "rollout_steps", "gpu_seconds", "reconfigurations")}
                     for name, s in systems.items()}
         return None
-
-
-def _snapshot_writer() -> Any:
-    """The weights writer of the weight-sync package when installed, else the placeholder."""
-    if importlib.util.find_spec("pearl.controlplane.weights") is None:
-        return None
-    from pearl.controlplane import weights  # type: ignore[attr-defined]
-
-    return getattr(weights, "write_demo_snapshot", None)

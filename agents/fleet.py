@@ -2,8 +2,8 @@
 
 `pearlctl demo` (and the end-to-end tests) run pearl as a cluster runs it, on this machine: the front
 door (`pearlctl router serve`), one agent per node (`pearlctl agent --driver sim`, which launches the
-simulated SGLang servers), one Celery worker per node (`pearlctl worker`, weight sync) when a broker is
-set, and the policy loop (`pearlctl loop`). Each is a separate process in a session of its own, with
+simulated SGLang servers), one weight-sync Celery worker per node (`pearlctl worker`), and the policy
+loop (`pearlctl loop`). Each is a separate process in a session of its own, with
 its log under the run directory. `check()` says which one died, with its last log lines; `stop()`
 sends SIGTERM to each (the loop and the agents first, then the workers and the front door), waits, kills
 what is left, then stops the servers the agents launched (the drivers' records), so nothing outlives

@@ -33,10 +33,10 @@ from aiohttp import web
 from pearl.controlplane.core.catalog import default_catalog
 from pearl.controlplane.core.domain import Role
 from pearl.controlplane.core.perfmodel import PerfModel
+from pearl.controlplane.weights.files import SnapshotError, load_snapshot, manifest_digest
 
 from .drivers.base import FENCE_HEADER
 from .simengine import VOCAB, RealtimeEngine
-from .snapshot import SnapshotError, load_snapshot
 
 VERSION = "0.5.23-pearl-sim"
 MEMORY_TAGS = ("weights", "kv_cache")
@@ -84,6 +84,9 @@ class SimState:
     stopping: bool = False
     ready_at: float = 0.0  # simulated time it finishes starting
     weights_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    weights_checksum: str | None = None  # manifest_digest of the snapshot loaded (None: the initial weights)
+    weight_loads: int = 0  # snapshots (or broadcasts) taken since the start
+    groups: dict[str, Any] = field(default_factory=dict)  # weight-update groups joined (name -> process group)
 
     def serving_problem(self) -> str | None:
         if self.stopping:
@@ -142,6 +145,7 @@ def build_app(state: SimState) -> web.Application:
     def info() -> dict[str, Any]:
         return {"model_path": state.model_path, "served_model_name": served, "tokenizer_path": None,
                 "is_generation": True, "weight_version": state.weight_version, "load_format": "auto",
+                "weights_checksum": state.weights_checksum,
                 "disaggregation_mode": rt.role.value if rt.role is not Role.COLOCATED else "null",
                 "model_type": cfg.model, "architectures": None}
 
@@ -185,7 +189,7 @@ def build_app(state: SimState) -> web.Application:
             "worker_id": cfg.worker_id, "generation": cfg.generation, "fence": state.fence, "role": rt.role.value,
             "released": sorted(state.released), "paused": state.paused, "idle": rt.idle and not state.held,
             "finished": rt.finished, "aborted": rt.aborted, "tokens_out": rt.tokens_out,
-            "weight_version": state.weight_version, "sim_time": rt.now(),
+            "weight_version": state.weight_version, "weight_loads": state.weight_loads, "sim_time": rt.now(),
         })
 
     @routes.post("/generate")
@@ -360,6 +364,8 @@ def build_app(state: SimState) -> web.Application:
             rt.pause(rt.now() + cfg.weight_load_s)
             await rt.sleep_sim(cfg.weight_load_s)
             state.model_path = path
+            state.weights_checksum = manifest_digest(snap.manifest()) if snap.info else None
+            state.weight_loads += 1
             if body.get("weight_version") is not None:
                 state.weight_version = str(body["weight_version"])
             if body.get("flush_cache", True) and rt.idle:
@@ -367,6 +373,59 @@ def build_app(state: SimState) -> web.Application:
         return web.json_response({"success": True, "num_paused_requests": 0,
                                   "message": f"Succeeded to update model weights ({snap.tensors} tensors, "
                                              f"{snap.checked} checksums verified)."})
+
+    @routes.post("/init_weights_update_group")
+    async def init_group(request: web.Request) -> web.Response:
+        if (refused := _fenced(state, request)) is not None:
+            return refused
+        body = await _body(request)
+        try:
+            name = str(body.get("group_name") or "default")
+            host, port = str(body["master_address"]), int(body["master_port"])
+            rank, world = int(body["rank_offset"]), int(body["world_size"])
+        except (KeyError, TypeError, ValueError) as exc:
+            return web.json_response({"success": False, "message": f"bad group: {exc}"}, status=400)
+        from pearl.controlplane.weights.broadcast import join_group
+
+        try:
+            state.groups[name] = await asyncio.to_thread(join_group, host, port, rank, world,
+                                                         str(body.get("backend") or "gloo"))
+        except Exception as exc:  # torch's errors (a store that does not answer, a timeout)
+            return web.json_response({"success": False, "message": f"joining {name}: {exc}"}, status=400)
+        return web.json_response({"success": True, "message": f"joined {name} as rank {rank} of {world}"})
+
+    @routes.post("/update_weights_from_distributed")
+    async def update_distributed(request: web.Request) -> web.Response:
+        if (refused := _fenced(state, request)) is not None:
+            return refused
+        body = await _body(request)
+        name = str(body.get("group_name") or "default")
+        pg, spec = state.groups.get(name), body.get("layout")
+        if pg is None or not isinstance(spec, dict):
+            return web.json_response({"success": False, "message": f"no weight-update group {name} (or no layout)"},
+                                     status=400)
+        from pearl.controlplane.weights.broadcast import layout_checksum, receive
+
+        async with state.weights_lock:
+            try:
+                tensors = await asyncio.to_thread(receive, pg, spec)
+            except SnapshotError as exc:
+                return web.json_response({"success": False, "message": f"Failed to update weights: {exc}; kept "
+                                                                       f"version {state.weight_version}"}, status=400)
+            if body.get("weight_version") is not None:
+                state.weight_version = str(body["weight_version"])
+            state.weights_checksum = layout_checksum(spec)
+            state.weight_loads += 1
+            if body.get("flush_cache", True) and rt.idle:
+                rt.flush_cache()
+        return web.json_response({"success": True, "message": f"Succeeded to update model weights ({len(tensors)} "
+                                                              "tensors received, checksums verified)."})
+
+    @routes.post("/destroy_weights_update_group")
+    async def destroy_group(request: web.Request) -> web.Response:
+        body = await _body(request, required=False)
+        state.groups.pop(str(body.get("group_name") or "default"), None)
+        return web.json_response({"success": True})
 
     app = web.Application(client_max_size=256 * 1024 * 1024)
     app.add_routes(routes)
@@ -386,7 +445,8 @@ async def serve(cfg: SimConfig) -> None:
         snap = load_snapshot(cfg.model_path)  # a corrupt snapshot fails the start, naming the tensor
         print(f"weights: {snap.path} ({snap.tensors} tensors, {snap.checked} checksums verified)", file=sys.stderr)
     rt = RealtimeEngine(perf, cfg.role, cfg.speed, cfg.worker_id, cfg.capacity)
-    state = SimState(cfg, rt, model_path, cfg.weight_version, cfg.fence, ready_at=cfg.startup_s)
+    state = SimState(cfg, rt, model_path, cfg.weight_version, cfg.fence, ready_at=cfg.startup_s,
+                     weights_checksum=manifest_digest(snap.manifest()) if cfg.model_path else None)
     state.unpaused.set()
     runner = web.AppRunner(build_app(state), handle_signals=False, shutdown_timeout=5.0, access_log=None)
     await runner.setup()

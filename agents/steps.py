@@ -15,7 +15,9 @@ to a server carries the claim's fencing token. A handler calls `ctx.check()` (or
   start         take the GPUs in the rows first, then resume a sleeping server (a prefill <-> decode
                 change flips it) or launch one, and wait until it answers
   load_weights  bring the server to the trainer's latest weights (a snapshot from disk)
-  admit         register with the front door, then active in the rows
+  admit         once the worker has the trainer's current weights (a sync may bring a version that came
+                out after its load_weights; `Timeouts.weights_s`), register with the front door, then
+                active in the rows
   flip_role     wait until idle, then `pd_role_switch` in place
   router_sync   switch the front door to the target mode
 """
@@ -33,6 +35,7 @@ from pearl.agents.drivers.base import Driver, DriverError, Server, ServerSpec, W
 from pearl.controlplane.core.domain import Role, StepAction, WorkerZone
 from pearl.controlplane.errors import PearlError
 from pearl.controlplane.store import plan_store, step_effects
+from pearl.controlplane.store import weights as weight_rows
 from pearl.controlplane.store.db import transaction
 from pearl.controlplane.store.step_view import WorkerView, worker_view
 
@@ -93,6 +96,7 @@ class Timeouts:
     # rest, kept by the front door; a flip waits for idle itself): shrinking is urgent, so none.
     drain_s: float = 0.0
     idle_s: float = 60.0  # an interrupted or drained server has nothing left running
+    weights_s: float = 600.0  # an admitted worker reaches the trainer's current weights version
     poll_s: float = 0.05
 
 
@@ -276,8 +280,35 @@ def admit(ctx: StepContext) -> None:
     server = ctx.driver.running(w.id)
     if server is None:
         raise DriverError(f"worker {w.id} has no server to admit")
+    if not ctx.wait(lambda: _has_current_weights(ctx), ctx.timeouts.weights_s, "the current weights"):
+        w = ctx.worker()
+        raise DriverError(f"worker {w.id} has weights version {w.weights_version}, the trainer is at "
+                          f"{w.trainer_version}: version {w.trainer_version} did not arrive within "
+                          f"{ctx.timeouts.weights_s:g} s; not admitted{_sync_note(ctx, w.id)}")
     ctx.front_door().register(server.endpoint, Role(ctx.args["role"]).value, server.bootstrap_port)
     ctx.complete()
+
+
+def _has_current_weights(ctx: StepContext) -> bool:
+    """The worker has the trainer's version; DriverError at once when its sync to it failed."""
+    w = ctx.worker()
+    if w.weights_version >= w.trainer_version:
+        return True
+    with transaction(ctx.engine) as session:
+        sync = weight_rows.last_sync_states(session).get(w.id)
+    if sync and sync["version"] == w.trainer_version and sync["state"] == "failed":
+        raise DriverError(f"worker {w.id}: its sync to weights version {w.trainer_version} failed "
+                          f"({sync['error']}); not admitted")
+    return False
+
+
+def _sync_note(ctx: StepContext, worker_id: int) -> str:
+    with transaction(ctx.engine) as session:
+        sync = weight_rows.last_sync_states(session).get(worker_id)
+    if not sync:
+        return " (no sync of it was queued)"
+    return f" (its sync to version {sync['version']} is {sync['state']}" + (
+        f": {sync['error']})" if sync["error"] else "; is the node's `pearlctl worker` running?)")
 
 
 def flip_role(ctx: StepContext) -> None:

@@ -35,6 +35,7 @@ from typing import Any
 import aiohttp
 from pearl.controlplane.api import ControlPlane
 from pearl.controlplane.core.telemetry import StepTelemetry
+from pearl.controlplane.weights import write_demo_snapshot
 from pearl.sim.availability import availability_changes
 from pearl.sim.scenario import Scenario
 from pearl.sim.trajectories import Trajectory, sample_batch
@@ -81,7 +82,7 @@ class TrainerEmulator:
         self.snapshot_dir = snapshot_dir
         self.duration_s = duration_s if duration_s is not None else scenario.duration_s  # model seconds
         self.preemptible_node = preemptible_node
-        self.write_snapshot = write_snapshot or _placeholder_snapshot
+        self.write_snapshot = write_snapshot or write_demo_snapshot
         self.request_timeout_s = request_timeout_s
         self.retry_s = retry_s
         self.stats = TrainerStats()
@@ -251,16 +252,6 @@ class TrainerEmulator:
                 await asyncio.to_thread(self.cp.gpus_revoked, self.preemptible_node, devices,
                                         notice_s=notice / self.speed)
                 self.stats.revocations += 1
-
-
-def _placeholder_snapshot(directory: Path, version: int) -> str:
-    """Without a weights writer: a small real snapshot (safetensors and a checksum manifest), different
-    for every version, that the servers check and load."""
-    from pearl.agents.snapshot import write_snapshot
-
-    rng = random.Random(version)
-    write_snapshot(directory, {f"layer{i}.weight": rng.randbytes(64 * 1024) for i in range(4)})
-    return str(directory)
 
 
 def summary(stats: TrainerStats, speed: float) -> dict[str, Any]:

@@ -32,12 +32,13 @@ def _register() -> None:
     event.register(app)
     profile.register(app)
     reap.register(app)
-    from pearl.cli import agent, demo, router, simworker
+    from pearl.cli import agent, demo, router, simworker, worker
 
     agent.register(app)
     demo.register(app)
     simworker.register(app)
     router.register(app)
+    worker.register(app)
 
 
 _register()

@@ -101,14 +101,17 @@ def training_end(
     step: StepOption,
     weights_version: Annotated[int | None, typer.Option("--weights-version", min=0,
                                                         help="The weights version the step produced.")] = None,
-    snapshot: Annotated[str | None, typer.Option("--snapshot", help="Where its weights are (path or URI).")] = None,
+    snapshot: Annotated[str | None, typer.Option("--snapshot", help="Where its weights are: a snapshot directory "
+                                                 "(safetensors and manifest.json), a path or file:// URI; checked "
+                                                 "against its manifest, then every serving worker is synced.")] = None,
     as_json: JsonOption = False,
 ) -> None:
     """Optimizer step N ended: its GPUs may be lent again; the new weights reach every worker."""
     with _control_plane() as cp:
-        cp.training_end(step, weights_version=weights_version, snapshot=snapshot, actor="pearlctl event training-end")
+        syncs = cp.training_end(step, weights_version=weights_version, snapshot=snapshot,
+                                actor="pearlctl event training-end")
     if as_json:
-        emit_json({"step": step, "weights_version": weights_version, "snapshot": snapshot})
+        emit_json({"step": step, "weights_version": weights_version, "snapshot": snapshot, "syncs": len(syncs)})
     else:
         out.print(f"training step {step} ended" + (f" (weights version {weights_version})"
                                                    if weights_version is not None else ""), highlight=False)

@@ -33,14 +33,14 @@ def render(s: dict[str, Any]) -> Group:
     for zone, counts in s["gpus"]["by_zone_state"].items():
         gpus.add_row(zone, *(Text(str(counts.get(st, 0)), style=_STATE_STYLE.get(st, "")) for st in states),
                      str(s["gpus"]["by_zone"][zone]))
-    workers = Table("id", "node", "slot", "zone", "role", "activity", "devices", "gpu state", "weights",
-                    title="Workers")
+    workers = Table("id", "node", "slot", "zone", "role", "activity", "devices", "gpu state", "weights", "lag",
+                    "sync", title=f"Workers (trainer at weights version {s.get('trainer_version', 0)})")
     for w in s["workers"]:
         gpu_states = list(dict.fromkeys(w["gpu_states"]))  # one word when they agree, as usual
         workers.add_row(str(w["id"]), w["node"], str(w["slot"]), w["zone"], w["role"], w["activity"],
                         ",".join(map(str, w["devices"])),
                         Text("/".join(gpu_states), style=_STATE_STYLE.get(gpu_states[0], "") if gpu_states else ""),
-                        str(w["weights_version"]))
+                        str(w["weights_version"]), _lag(w.get("weights_lag", 0)), _sync(w.get("sync")))
     parts: list[Any] = [head, gpus, workers]
     p = s["plan"]
     parts.append(Text(f"latest plan: #{p['id']} {p['status']} (base_version {p['base_version']}, "
@@ -68,6 +68,17 @@ def render(s: dict[str, Any]) -> Group:
                            lease["granted_at"] or "", lease["deadline"] or "")
         parts.append(leases)
     return Group(*parts)
+
+
+def _lag(lag: int) -> Text:
+    return Text(str(lag), style="yellow" if lag else "green")
+
+
+def _sync(sync: dict[str, Any] | None) -> Text:
+    if not sync:
+        return Text("-", style="dim")
+    style = {"done": "green", "failed": "red", "running": "cyan", "queued": "yellow"}.get(sync["state"], "dim")
+    return Text(f"v{sync['version']} {sync['state']}", style=style)
 
 
 @handle_errors

@@ -6,10 +6,13 @@
     cp.rollout_progress(step=7, finished=0, batch_size=64)
     ...
     cp.training_begin(step=7)                         # waits (bounded) until every borrowed GPU is back
-    cp.training_end(step=7, weights_version=8, snapshot="/shared/ckpt/8")
+    cp.training_end(step=7, weights_version=8, snapshot="/shared/ckpt/8")   # every serving worker gets v8
     cp.gpus_revoked("spot-0", notice_s=30)
 
 Each call is one transaction; bad input raises BadInput naming the field, and nothing is written.
+A training step's end with a snapshot registers it (its files must match its manifest) and queues
+one weight sync per serving worker, sent to the workers' node queues after the commit
+(`controlplane/weights.py`, `controlplane/weights/dispatch.py`).
 """
 
 from __future__ import annotations
@@ -19,11 +22,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from pearl.controlplane.core.telemetry import parse_telemetry
-from pearl.controlplane.errors import PearlError
+from pearl.controlplane.errors import BadInput, PearlError
 from pearl.controlplane.store import signals
+from pearl.controlplane.store import weights as weight_rows
 from pearl.controlplane.store.db import make_engine, require_schema, transaction
 from pearl.controlplane.store.schema import TrainingStep
 from pearl.controlplane.store.telemetry_store import IngestResult, ingest_telemetry
+from pearl.controlplane.weights import dispatch as sync_dispatch
 from sqlalchemy import Engine
 
 
@@ -43,8 +48,10 @@ class TrainingStarted:
 class ControlPlane:
     """A connection to pearl's database for the events a trainer and a provider report."""
 
-    def __init__(self, database_url: str | None = None, *, engine: Engine | None = None) -> None:
+    def __init__(self, database_url: str | None = None, *, engine: Engine | None = None,
+                 broker_url: str | None = None) -> None:
         self.engine = engine or make_engine(database_url)
+        self.broker_url = broker_url  # where weight syncs go; None: PEARL_BROKER_URL or the embedded Redis
         require_schema(self.engine)
 
     def close(self) -> None:
@@ -82,9 +89,56 @@ class ControlPlane:
         return TrainingStarted(step, True, time.monotonic() - t0, late, ())
 
     def training_end(self, step: int, *, weights_version: int | None = None, snapshot: str | None = None,
-                     actor: str = "trainer") -> None:
+                     actor: str = "trainer", delivered: dict[int, str] | None = None) -> list[weight_rows.SyncTask]:
+        """Optimizer step `step` ended. With a snapshot: its files are checked against its manifest
+        first (BadInput naming the tensor), it is registered as `weights_version`, and each serving
+        worker's sync is queued. `delivered` (worker id -> endpoint): servers the trainer's broadcast
+        brought to the version already; their syncs are recorded here (fenced as a task's), the others
+        are sent to their nodes' queues. The syncs sent."""
+        from pearl.controlplane.weights import check_snapshot
+
+        snap = None
+        if snapshot is not None:
+            if weights_version is None:
+                raise BadInput("weights_version: required with a snapshot")
+            snap = check_snapshot(snapshot)
         with transaction(self.engine, actor=actor, reason=f"training step {step} ended") as session:
             signals.end_training(session, step, weights_version=weights_version, snapshot=snapshot)
+            tasks: list[weight_rows.SyncTask] = []
+            if snap is not None and weights_version is not None:
+                from pearl.controlplane.weights.files import manifest_digest
+
+                manifest = snap.manifest()
+                weight_rows.register_snapshot(session, weights_version, snapshot, manifest, snap.bytes,
+                                              manifest_digest(manifest))
+                tasks = weight_rows.enqueue_syncs(session, weights_version)
+        if delivered and weights_version is not None:
+            tasks = [t for t in tasks if not self._record_broadcast(t, delivered.get(t.worker_id), actor)]
+        if tasks:
+            sync_dispatch.send(tasks, self.broker_url if self.broker_url is not None
+                               else sync_dispatch.dispatch_broker())
+        return tasks
+
+    def _record_broadcast(self, task: weight_rows.SyncTask, endpoint: str | None, actor: str) -> bool:
+        """The broadcast brought `task`'s worker to its version: record it (True), unless the worker's
+        server is no longer the one reached (False: the snapshot path brings it)."""
+        if endpoint is None:
+            return False
+        reason = f"weights version {task.version} to worker {task.worker_id} by broadcast"
+        with transaction(self.engine, actor=actor, reason=reason) as session:
+            job = weight_rows.begin_sync(session, task.worker_id, task.version)
+        if isinstance(job, str):
+            return True  # nothing left to do
+        try:
+            with transaction(self.engine, actor=actor, reason=reason) as session:
+                if job.endpoint != endpoint:
+                    raise weight_rows.SyncFenced(f"worker {task.worker_id} now serves at {job.endpoint}")
+                weight_rows.finish_sync(session, job, method="broadcast")
+            return True
+        except weight_rows.SyncFenced as exc:
+            with transaction(self.engine, actor=actor, reason=reason) as session:
+                weight_rows.fail_sync(session, job, str(exc), final=False)
+            return False
 
     def rollout_progress(self, step: int, finished: int, batch_size: int | None = None, *,
                          actor: str = "rollout") -> None:

@@ -5,6 +5,8 @@ Keys (docs/formats.md): `state_version`, `gpus` {`total`, `by_zone`, `by_state`}
 Also `cluster` (model, gpu, tp, imported_at), `gpus.by_zone_state` (zone -> state -> count), the
 plan's steps in progress with the agent holding each claim (`plan.running`), the node agents with
 the age of their heartbeat (`agents`), and the front door (`router`: url, mode; null without one).
+Weights: `trainer_version` (the newest version the trainer produced), each worker's `weights_lag`
+(versions behind it) and its newest weight sync (`sync`: version, state, error; null without one).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from typing import Any
 from pearl.controlplane.core.domain import StepStatus
 from pearl.controlplane.store.db import transaction
 from pearl.controlplane.store.schema import GPU, Agent, Fleet, Lease, Node, Plan, PlanStep, Router, Worker
+from pearl.controlplane.store.step_effects import trainer_version
+from pearl.controlplane.store.weights import last_sync_states
 from sqlalchemy import Engine, func, or_, select
 from sqlalchemy.orm import Session
 
@@ -86,6 +90,8 @@ def fleet_status(session: Session) -> dict[str, Any]:
     by_zone_state: dict[str, Counter[str]] = defaultdict(Counter)
     for g in gpus:
         by_zone_state[g.zone.value][g.state.value] += 1
+    trainer = trainer_version(session)
+    syncs = last_sync_states(session)
     workers = [
         {
             "id": w.id,
@@ -98,6 +104,8 @@ def fleet_status(session: Session) -> dict[str, Any]:
             "activity": w.activity.value,
             "zone": w.zone.value,
             "weights_version": w.weights_version,
+            "weights_lag": max(0, trainer - w.weights_version),
+            "sync": syncs.get(w.id),
             "endpoint": w.endpoint,
             "generation": w.generation,
         }
@@ -135,6 +143,7 @@ def fleet_status(session: Session) -> dict[str, Any]:
             "by_state": dict(sorted(Counter(g.state.value for g in gpus).items())),
             "by_zone_state": {zone: dict(sorted(c.items())) for zone, c in sorted(by_zone_state.items())},
         },
+        "trainer_version": trainer,
         "workers": workers,
         "plan": _latest_plan(session),
         "leases": leases,

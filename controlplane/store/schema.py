@@ -1,6 +1,6 @@
 """The control-plane database: SQLAlchemy 2 typed ORM of the unified GPU-worker-role state.
 
-The tables here and migrations `0001_initial` .. `0006_cold_borrows` match exactly (`alembic check`).
+The tables here and migrations `0001_initial` .. `0007_weight_sync` match exactly (`alembic check`).
 What the ORM cannot express lives in the migration's SQL: the transition trigger (edges are rows of
 `gpu_transitions` and `worker_transitions`), the deferred check that a serving worker holds exactly
 its slot's GPUs, the `state_version` bump, the append-only `events` written by triggers, and the views.
@@ -241,6 +241,51 @@ class TrainingStep(Base):
     weights_version: Mapped[int | None] = mapped_column(BigInteger)
     snapshot: Mapped[str | None] = mapped_column(Text)  # URI of the weights it produced
     late_s: Mapped[float | None] = mapped_column(Double)  # how long late returns delayed it
+
+
+class WeightSnapshot(Base):
+    """A weights version the trainer produced (0007): where its files are and their manifest (name ->
+    dtype, shape, sha256). The payload stays outside the database; the files matched the manifest
+    when it was registered."""
+
+    __tablename__ = "weight_snapshots"
+    __table_args__ = (
+        CheckConstraint("version > 0", name="version_positive"),
+        CheckConstraint("tensors >= 0 AND bytes >= 0", name="sizes_non_negative"),
+    )
+
+    version: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)
+    uri: Mapped[str] = mapped_column(Text)
+    manifest: Mapped[dict[str, Any]] = mapped_column(JSONB)
+    tensors: Mapped[int] = mapped_column(Integer)
+    bytes: Mapped[int] = mapped_column(BigInteger)
+    checksum: Mapped[str] = mapped_column(Text)  # weights.files.manifest_digest of the manifest
+    registered_at: Mapped[datetime] = mapped_column(TS, server_default=NOW)
+
+
+class WeightSync(Base):
+    """Bringing one worker's server to one weights version (0007): at most one row per (worker, version).
+    queued -> running -> done | failed | superseded (a newer version took over)."""
+
+    __tablename__ = "weight_syncs"
+    __table_args__ = (
+        UniqueConstraint("worker_id", "version"),
+        CheckConstraint("state IN ('queued', 'running', 'done', 'failed', 'superseded')", name="state_known"),
+        CheckConstraint("attempts >= 0", name="attempts_non_negative"),
+        CheckConstraint("(state IN ('done', 'failed', 'superseded')) = (finished_at IS NOT NULL)",
+                        name="finished_iff_final"),
+    )
+
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    worker_id: Mapped[int] = mapped_column(ForeignKey("workers.id", ondelete="CASCADE"))
+    version: Mapped[int] = mapped_column(ForeignKey("weight_snapshots.version", ondelete="CASCADE"))
+    state: Mapped[str] = mapped_column(Text, server_default=text("'queued'"))
+    method: Mapped[str | None] = mapped_column(Text)  # snapshot | broadcast: how the weights got there
+    attempts: Mapped[int] = mapped_column(Integer, server_default=text("0"))
+    enqueued_at: Mapped[datetime] = mapped_column(TS, server_default=NOW)
+    started_at: Mapped[datetime | None] = mapped_column(TS)
+    finished_at: Mapped[datetime | None] = mapped_column(TS)
+    error: Mapped[str | None] = mapped_column(Text)
 
 
 class RolloutProgress(Base):

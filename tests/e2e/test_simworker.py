@@ -18,10 +18,10 @@ import pytest
 from pearl.agents.drivers.base import DriverError, WeightsRef
 from pearl.agents.drivers.sim import SimDriver
 from pearl.agents.server_client import ServerClient
-from pearl.agents.snapshot import write_snapshot
 from pearl.controlplane.core.catalog import default_catalog
 from pearl.controlplane.core.domain import Role
 from pearl.controlplane.core.perfmodel import PerfModel
+from pearl.controlplane.weights.files import write_snapshot
 from workers_support import SPEED, spec, wait_gone
 
 pytestmark = pytest.mark.e2e

@@ -1,7 +1,9 @@
 """The database benchmarks run end to end in their small versions (`--quick`) and print one JSON object
-with the figures they promise: bench/step_claims.py, bench/plan_graph.py, bench/tick_latency.py.
+with the figures they promise: bench/step_claims.py, bench/plan_graph.py, bench/tick_latency.py,
+bench/weight_sync.py.
 
-bench/step_claims.py needs the `bench` extra (procrastinate); without it its test is skipped. Each
+bench/step_claims.py and bench/weight_sync.py need the `bench` extra (procrastinate, safetensors);
+without it their tests are skipped. Each
 runs in a fresh interpreter, as a user runs it, against the test PostgreSQL server
 (`--database-url`); the checks are on the keys and on values that can only be sane, never on speed.
 """
@@ -91,3 +93,14 @@ def test_tick_latency(pg_server_url: str) -> None:
         sane(back[key], 2)
     assert back["critical_path"]["max_ms"] <= back["release_steps_sum"]["max_ms"]
     assert back["critical_path"]["p50_ms"] < back["return"]["p50_ms"]
+
+
+def test_weight_sync(pg_server_url: str) -> None:
+    pytest.importorskip("safetensors", reason="the `bench` extra: pip install -e '.[bench]'")
+    pytest.importorskip("torch")
+    out = run_bench("weight_sync", pg_server_url)
+    (size,) = out["throughput"]
+    for side in ("snapshot_load", "broadcast"):
+        assert size[side]["pearl_checked_mb_per_s"] > 0 and size[side]["ratio_pearl_to_raw"] > 0
+    (fleet,) = out["latency"]["redis"]
+    assert fleet["servers"] == 2 and 0 < fleet["min_s"] <= fleet["p50_s"] <= fleet["max_s"]

@@ -7,6 +7,7 @@ import json
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 
+import numpy as np
 import pytest
 from pearl.cli.app import app
 from pearl.controlplane.api import ControlPlane, ReturnsLate
@@ -15,7 +16,8 @@ from pearl.controlplane.core.fleet import Target
 from pearl.controlplane.errors import BadInput
 from pearl.controlplane.store import plan_store, reaper, signals
 from pearl.controlplane.store.db import transaction
-from pearl.controlplane.store.schema import GPU, Lease, RolloutProgress, TrainingStep, Worker
+from pearl.controlplane.store.schema import GPU, Lease, RolloutProgress, TrainingStep, WeightSnapshot, Worker
+from pearl.controlplane.weights import write_snapshot
 from plan_support import import_cluster, propose, run_plan, small_inventory
 from sqlalchemy import Engine, func, select, text
 from typer.testing import CliRunner
@@ -41,16 +43,27 @@ def serve(engine: Engine, members: set[int]) -> None:
     run_plan(engine, datetime.now(UTC))
 
 
-def test_a_training_step_with_nothing_borrowed_starts_at_once_and_ends(cp: ControlPlane) -> None:
+def small_snapshot(directory, version: int = 1) -> str:
+    write_snapshot({"w.a": np.arange(16, dtype=np.float32) * version, "w.b": np.ones((2, 3), dtype=np.float16)},
+                   directory, version=version)
+    return str(directory)
+
+
+def test_a_training_step_with_nothing_borrowed_starts_at_once_and_ends(cp: ControlPlane, tmp_path) -> None:
     started = cp.training_begin(3, wait_s=0)
     assert started.started and started.late_s == 0.0
     assert gpu_states(cp.engine, "training") == {GPUState.TRAINING}
-    cp.training_end(3, weights_version=1, snapshot="/tmp/w1")
+    w1 = small_snapshot(tmp_path / "w1")
+    cp.training_end(3, weights_version=1, snapshot=w1)
     assert gpu_states(cp.engine, "training") == {GPUState.FREE}
     with transaction(cp.engine) as session:
         row = session.get(TrainingStep, 3)
         assert row.started_at >= row.requested_at and row.ended_at >= row.started_at and row.weights_version == 1
-    cp.training_end(3, weights_version=1, snapshot="/tmp/w1")  # the same report again changes nothing
+    cp.training_end(3, weights_version=1, snapshot=w1)  # the same report again changes nothing
+    with transaction(cp.engine) as session:
+        snap = session.get(WeightSnapshot, 1, populate_existing=True)
+        assert snap.uri == w1 and snap.tensors == 2
+        assert snap.manifest["w.b"] == {"dtype": "F16", "shape": [2, 3], "sha256": snap.manifest["w.b"]["sha256"]}
 
 
 @pytest.mark.parametrize(("events", "message"), [
@@ -180,7 +193,22 @@ def test_the_event_commands(cp: ControlPlane, database_url: str, tmp_path) -> No
     assert done.exit_code == 0 and "rollout step 0: 2 finished" in done.stdout
     done = run(app, ["event", "training-begin", "--step", "1", "--json"], env=env)
     assert done.exit_code == 0 and json.loads(done.stdout)["started"] is True
-    done = run(app, ["event", "training-end", "--step", "1", "--weights-version", "1", "--snapshot", "/w/1"], env=env)
+    torn = small_snapshot(tmp_path / "torn")
+    data = bytearray((tmp_path / "torn" / "model.safetensors").read_bytes())
+    data[-1] ^= 0xFF  # the last byte of w.b
+    (tmp_path / "torn" / "model.safetensors").write_bytes(bytes(data))
+    for snapshot, message in ((torn, "snapshot: tensor w.b: checksum mismatch"),
+                              (str(tmp_path / "none"), "no such file or directory"),
+                              ("s3://bucket/w1", "only local paths and file:// URIs")):
+        done = run(app, ["event", "training-end", "--step", "1", "--weights-version", "1", "--snapshot", snapshot],
+                   env=env)
+        assert done.exit_code == 2 and message in done.output, done.output
+    with transaction(cp.engine) as session:  # nothing written
+        assert session.get(TrainingStep, 1).ended_at is None
+        assert session.scalar(select(func.count()).select_from(WeightSnapshot)) == 0
+    w1 = small_snapshot(tmp_path / "w1")
+    done = run(app, ["event", "training-end", "--step", "1", "--weights-version", "1", "--snapshot",
+                     f"file://{w1}"], env=env)
     assert done.exit_code == 0 and "weights version 1" in done.stdout
     done = run(app, ["event", "gpus-revoked", "--node", "spot-0", "--notice-s", "30", "--json"], env=env)
     assert done.exit_code == 0 and json.loads(done.stdout)["notice_s"] == 30

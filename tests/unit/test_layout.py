@@ -4,6 +4,7 @@
     controlplane/services  settings and the embedded servers: imports no other part
     controlplane/measure   torch kernel timing: imports the core only
     controlplane/store     PostgreSQL: imports the core and the services, never the policies or above
+    controlplane/weights   snapshots on disk, the weight-sync queues, the broadcast path: over the store
     controlplane/api.py    the Python API for trainers and providers: over the store
     policies/              pure policies over the core (no clock, filesystem, randomness or I/O)
     policies/live/         the adapters that run the policies against the store
@@ -40,6 +41,7 @@ RULES: dict[str, tuple[str, ...]] = {
     "controlplane/measure": ("pearl.controlplane.store", "pearl.controlplane.services", "pearl.policies",
                              "pearl.sim", "pearl.cli", "pearl.agents", "sqlalchemy", "psycopg"),
     "controlplane/store": ("pearl.controlplane.measure", "pearl.policies", "pearl.sim", "pearl.cli", "pearl.agents"),
+    "controlplane/weights": ("pearl.controlplane.measure", "pearl.policies", "pearl.sim", "pearl.cli", "pearl.agents"),
     "policies": ("pearl.policies.live", "pearl.controlplane.store", "pearl.controlplane.services",
                  "pearl.controlplane.measure", "pearl.sim", "pearl.cli", "pearl.agents", "pearl.migrations",
                  "pearl.controlplane.core.catalog", "pearl.controlplane.core.inventory",

@@ -6,8 +6,8 @@ from __future__ import annotations
 import struct
 
 import pytest
-from pearl.agents.snapshot import SnapshotError, load_snapshot, write_snapshot
 from pearl.cli.app import app
+from pearl.controlplane.weights.files import SnapshotError, load_snapshot, write_snapshot
 from typer.testing import CliRunner
 
 pytestmark = pytest.mark.unit

@@ -147,14 +147,13 @@ ORDER BY event_id DESC
 LIMIT :limit;
 
 -- name: run_summary
--- What a run of the live system did: plans applied, weight loads (a worker's weights version going
--- up), borrowed GPUs given back and how many of those came back late, training steps and their delay.
+-- What a run of the live system did: plans applied, weight syncs (a sync task brought a serving
+-- worker's server to a new version: done, and loaded, not found there already), borrowed GPUs given back and how many of those came back late, training steps and their delay.
 SELECT
     (SELECT count(*) FROM plans WHERE applied_at IS NOT NULL) AS plans_applied,
     (SELECT count(*) FROM plans WHERE applied_at IS NOT NULL AND cleans_up IS NOT NULL) AS cleanup_plans,
     (SELECT count(*) FROM plans WHERE status = 'failed') AS plans_failed,
-    (SELECT count(*) FROM events WHERE entity = 'workers' AND op = 'update'
-        AND (new ->> 'weights_version')::bigint > (old ->> 'weights_version')::bigint) AS weight_syncs,
+    (SELECT count(*) FROM weight_syncs WHERE state = 'done' AND method IN ('snapshot', 'broadcast')) AS weight_syncs,
     (SELECT count(*) FROM borrow_cycles WHERE returned_at IS NOT NULL) AS borrowed_returns,
     (SELECT count(*) FROM borrow_cycles WHERE returned_at IS NOT NULL AND late_s > 0) AS late_returns,
     (SELECT count(*) FROM training_steps WHERE ended_at IS NOT NULL) AS training_steps,

@@ -1,0 +1,53 @@
+"""`pearlctl worker --node NAME`: the node's weight-sync Celery worker (agents/celery_app.py).
+
+It consumes the queue `node.<NAME>` (broker: PEARL_BROKER_URL, else the embedded Redis, started if
+needed), one task per thread at a time. SIGTERM: it finishes the tasks it runs, then exits 0; a
+SIGKILL loses nothing (the tasks are acknowledged after they ran, and the rows say what is done).
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import Annotated
+
+import typer
+
+from .common import handle_errors, setup_logging
+
+
+def register(app: typer.Typer) -> None:
+    app.command("worker")(worker)
+
+
+@handle_errors
+def worker(
+    node: Annotated[str, typer.Option("--node", help="The node whose queue (node.NAME) it consumes.")],
+    concurrency: Annotated[int, typer.Option("--concurrency", min=1, help="Syncs run at once (threads).")] = 4,
+    resend_s: Annotated[float, typer.Option("--resend-s", min=1.0,
+                                            help="Send the node's unfinished syncs again this often.")] = 30.0,
+    json_logs: Annotated[bool, typer.Option("--json-logs", help="Log JSON lines.")] = False,
+) -> None:
+    """Run a node's weight-sync worker until SIGTERM."""
+    from pearl.agents import celery_app
+    from pearl.controlplane.errors import BadInput
+    from pearl.controlplane.services import embedded
+    from pearl.controlplane.store.db import require_schema
+    from pearl.controlplane.weights.dispatch import queue_name
+
+    if not node.strip():
+        raise BadInput("--node: a node name is required")
+    setup_logging(json_logs)
+    broker = embedded.broker_url()
+    require_schema(celery_app.engine())
+    app = celery_app.create_app(broker, node)
+    celery_app.resend_pending(app, broker, node)
+    resender = celery_app.Resender(app, broker, node, resend_s)
+    resender.start()
+    w = app.Worker(queues=[queue_name(node)], pool="threads", concurrency=concurrency,
+                   hostname=f"pearl-{node}@{socket.gethostname()}", loglevel="INFO", without_gossip=True,
+                   without_mingle=True, without_heartbeat=True, optimization="fair")
+    try:
+        w.start()
+    finally:
+        resender.stopped.set()
+    raise typer.Exit(w.exitcode or 0)

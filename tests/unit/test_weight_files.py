@@ -1,0 +1,71 @@
+"""Weight snapshots on disk: written from a torch state dict (or numpy arrays) with a manifest of
+dtype, shape and sha256 per tensor, and checked against it, a mismatch refused naming the tensor."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from pearl.controlplane.errors import BadInput
+from pearl.controlplane.weights import check_snapshot, snapshot_path, write_snapshot
+from pearl.controlplane.weights.broadcast import layout
+from pearl.controlplane.weights.files import load_snapshot, manifest_digest
+
+pytestmark = pytest.mark.unit
+
+
+def test_a_torch_state_dict_round_trips_with_its_manifest(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    state = {"embed": torch.randn(8, 4).to(torch.bfloat16), "w": torch.randn(3, 5), "step": torch.tensor([7]),
+             "mask": torch.ones(2, dtype=torch.bool), "empty": torch.zeros(0, 3)}
+    snap = write_snapshot(state, tmp_path / "v1", version=1)
+    loaded = load_snapshot(str(tmp_path / "v1"))
+    assert loaded.checked == loaded.tensors == 5 and loaded.manifest() == snap.manifest()
+    assert loaded.manifest()["embed"]["dtype"] == "BF16" and loaded.manifest()["w"]["shape"] == [3, 5]
+    raw = (tmp_path / "v1" / "model.safetensors").read_bytes()
+    assert state["w"].numpy().tobytes() in raw  # the bytes as they are, little-endian
+    assert check_snapshot(str(tmp_path / "v1")).checked == 5
+    assert json.loads((tmp_path / "v1" / "manifest.json").read_text())["weights_version"] == 1
+
+
+def _numpy_snapshot(path: Path) -> Path:
+    write_snapshot({"a": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.ones(4, dtype=np.float16)}, path)
+    return path
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (lambda m: m["meta"]["a"].update(dtype="F16"), "tensor a: dtype F32, manifest F16"),
+    (lambda m: m["meta"]["b"].update(shape=[2, 2]), r"tensor b: shape \[4\], manifest \[2, 2\]"),
+    (lambda m: m["tensors"].update(b="0" * 64), "tensor b: checksum mismatch"),
+    (lambda m: m["tensors"].update(c="0" * 64), "tensor c: in the manifest, missing from the snapshot"),
+    (lambda m: m["tensors"].pop("a"), "tensor a: in the snapshot, missing from its manifest"),
+], ids=["dtype", "shape", "checksum", "missing-tensor", "unlisted-tensor"])
+def test_a_manifest_that_does_not_match_its_files_is_refused_naming_the_tensor(tmp_path: Path, edit,
+                                                                                message: str) -> None:
+    path = _numpy_snapshot(tmp_path / "s")
+    manifest = json.loads((path / "manifest.json").read_text())
+    edit(manifest)
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(BadInput, match=f"snapshot: {message}"):
+        check_snapshot(str(path))
+
+
+def test_snapshot_uris(tmp_path: Path) -> None:
+    path = _numpy_snapshot(tmp_path / "s")
+    assert snapshot_path(f"file://{path}") == path and check_snapshot(f"file://{path}").tensors == 2
+    with pytest.raises(BadInput, match="only local paths and file:// URIs"):
+        check_snapshot("s3://bucket/s")
+    (path / "manifest.json").unlink()
+    with pytest.raises(BadInput, match="no manifest.json"):
+        check_snapshot(str(path))
+
+
+def test_the_broadcast_layout_packs_tensors_into_buckets_with_the_registered_checksums(tmp_path: Path) -> None:
+    state = {f"t{i}": np.full(1000, i, dtype=np.float32) for i in range(5)}  # 4000 bytes each
+    snap = write_snapshot(state, tmp_path / "s")
+    spec, buckets = layout(state, bucket_bytes=9000)
+    assert [len(b) for b in buckets] == [2, 2, 1] and spec["buckets"] == [8000, 8000, 4000]
+    assert {t["name"]: t["sha256"] for t in spec["tensors"]} == {n: i.sha256 for n, i in snap.info.items()}
+    assert manifest_digest(snap.manifest()) == manifest_digest({t["name"]: t["sha256"] for t in spec["tensors"]})
