@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from pearl.agents.fleet import LocalFleet
-from pearl.agents.snapshot import write_snapshot
+from pearl.controlplane.weights import write_demo_snapshot
 from pearl.controlplane.api import ControlPlane
 from pearl.controlplane.core.domain import Activity, WorkerZone
 from pearl.controlplane.store.db import transaction
@@ -75,8 +75,7 @@ def test_events_through_the_loop_and_agents_return_every_gpu_in_time(live: tuple
     cp.rollout_progress(0, 64)
     began = cp.training_begin(0, wait_s=0)
     assert began.started and began.borrowed == () and not began.late_s  # nothing to wait for
-    snapshot = write_snapshot(tmp_path / "v1", {"layer0.weight": bytes(range(256)) * 16})
-    cp.training_end(0, weights_version=1, snapshot=str(snapshot))
+    cp.training_end(0, weights_version=1, snapshot=write_demo_snapshot(tmp_path / "v1", 1))
 
     # Preemptible GPUs join, then leave with 30 s of notice: drained and released before it runs out.
     cp.rollout_progress(1, 0, batch_size=64)
