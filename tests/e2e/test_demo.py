@@ -6,9 +6,12 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -16,6 +19,17 @@ import pytest
 from plan_support import PEARLCTL, REPO
 
 pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture
+def home() -> Iterator[Path]:
+    """The demo's PEARL_HOME, outside pytest's temporary root: pytest resets that root to mode 0700
+    whenever another session starts, and the embedded PostgreSQL (run as the `pgserver` user under
+    root) must still reach its data to be stopped."""
+    path = Path(tempfile.mkdtemp(prefix="pearl-demo-test-"))
+    path.chmod(0o755)
+    yield path / "home"
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def _env(home: Path) -> dict[str, str]:
@@ -42,8 +56,7 @@ def _demo(home: Path, *args: str) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
-def test_a_short_demo_runs_the_whole_system_and_leaves_nothing_behind(tmp_path: Path) -> None:
-    home = tmp_path / "home"
+def test_a_short_demo_runs_the_whole_system_and_leaves_nothing_behind(tmp_path: Path, home: Path) -> None:
     demo = _demo(home, "--duration", "300", "--speed", "10", "--json", "--no-simulate",
                  "--plot", str(tmp_path / "demo.png"))
     try:
@@ -63,8 +76,7 @@ def test_a_short_demo_runs_the_whole_system_and_leaves_nothing_behind(tmp_path: 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", range(4))
-def test_ctrl_c_at_any_moment_leaves_no_process_behind(tmp_path: Path, seed: int) -> None:
-    home = tmp_path / "home"
+def test_ctrl_c_at_any_moment_leaves_no_process_behind(home: Path, seed: int) -> None:
     delay = random.Random(seed).uniform(1.0, 25.0)  # during the start, the warm-up or the run
     demo = _demo(home, "--duration", "600", "--speed", "10", "--json", "--no-simulate")
     try:
@@ -82,8 +94,7 @@ def test_ctrl_c_at_any_moment_leaves_no_process_behind(tmp_path: Path, seed: int
     assert _leftovers(home) == [], f"after SIGINT at {delay:.1f} s"
 
 
-def test_ctrl_c_during_the_run_stops_it_cleanly(tmp_path: Path) -> None:
-    home = tmp_path / "home"
+def test_ctrl_c_during_the_run_stops_it_cleanly(home: Path) -> None:
     demo = _demo(home, "--duration", "3000", "--speed", "10", "--json", "--no-simulate")
     try:
         deadline = time.monotonic() + 240
