@@ -7,8 +7,6 @@ from typing import Annotated, Any
 
 import typer
 from pearl.controlplane.errors import BadInput, StepFailed
-from pearl.controlplane.store.db import make_engine, require_schema, transaction
-from pearl.controlplane.store.plan_store import abort, apply, plan_summary, step_counts, wait_plan
 
 from .common import emit_json, err, handle_errors, out
 
@@ -18,6 +16,8 @@ def register(app: typer.Typer) -> None:
 
 
 def _step_counts(summary: dict[str, Any]) -> str:
+    from pearl.controlplane.store.plan_store import step_counts
+
     return ", ".join(f"{n} {status}" for status, n in sorted(step_counts(summary).items()))
 
 
@@ -43,6 +43,9 @@ def apply_command(
         return
     if (plan_id is None) == (not latest):
         raise BadInput("PLAN_ID / --latest: give a plan id or --latest (one of them)")
+    from pearl.controlplane.store.db import make_engine, require_schema, transaction
+    from pearl.controlplane.store.plan_store import apply, plan_summary, wait_plan
+
     engine = make_engine()
     try:
         require_schema(engine)
@@ -76,6 +79,9 @@ def apply_command(
 
 
 def _abort(plan_id: int, as_json: bool) -> None:
+    from pearl.controlplane.store.db import make_engine, require_schema, transaction
+    from pearl.controlplane.store.plan_store import abort, plan_summary
+
     engine = make_engine()
     try:
         require_schema(engine)

@@ -7,9 +7,6 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from pearl.controlplane.core.inventory import load_inventory
-from pearl.controlplane.store.db import make_engine, require_schema, transaction
-from pearl.controlplane.store.inventory_import import import_inventory
 
 from .common import emit_json, handle_errors, out
 
@@ -29,6 +26,10 @@ def import_(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Import an inventory; the same file again changes nothing."""
+    from pearl.controlplane.core.inventory import load_inventory
+    from pearl.controlplane.store.db import make_engine, require_schema, transaction
+    from pearl.controlplane.store.inventory_import import import_inventory
+
     inventory = load_inventory(file)  # bad input is refused before the database is touched
     engine = make_engine()
     try:

@@ -8,10 +8,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from pearl.controlplane.core.telemetry import load_telemetry
 from pearl.controlplane.errors import BadInput
-from pearl.controlplane.store.db import make_engine, require_schema
-from pearl.controlplane.store.telemetry_store import ingest_telemetry
 
 from .common import emit_json, handle_errors, out
 
@@ -37,6 +34,10 @@ def telemetry(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Store one step's telemetry and refit the fleet's profile (a step already ingested: no-op if identical)."""
+    from pearl.controlplane.core.telemetry import load_telemetry
+    from pearl.controlplane.store.db import make_engine, require_schema
+    from pearl.controlplane.store.telemetry_store import ingest_telemetry
+
     step = load_telemetry(file)  # bad telemetry is refused before the database is touched
     if makespan_s is not None and not (math.isfinite(makespan_s) and makespan_s > 0):
         raise BadInput(f"--makespan-s: must be a finite number > 0, got {makespan_s}")

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
-from pearl.controlplane.store.db import make_engine, require_schema
-from pearl.policies.live.policy_pass import Planned, plan, written_plan
 from rich.table import Table
 from rich.text import Text
 
 from .common import emit_json, handle_errors, out
+
+if TYPE_CHECKING:
+    from pearl.policies.live.policy_pass import Planned
 
 
 def register(app: typer.Typer) -> None:
@@ -37,6 +38,9 @@ def plan_command(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Decide and show; write nothing.")] = False,
 ) -> None:
     """Decide the fleet's next configuration (PEARL policy) and write it as a proposed plan."""
+    from pearl.controlplane.store.db import make_engine, require_schema
+    from pearl.policies.live.policy_pass import plan, written_plan
+
     engine = make_engine()
     try:
         require_schema(engine)

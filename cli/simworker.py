@@ -6,8 +6,6 @@ import asyncio
 from typing import Annotated
 
 import typer
-from pearl.controlplane.core.catalog import default_catalog
-from pearl.controlplane.core.domain import ROLLOUT_ROLES, Role
 from pearl.controlplane.errors import BadInput
 
 from .common import handle_errors
@@ -44,6 +42,8 @@ def simworker(
 ) -> None:
     """Serve SGLang's HTTP API with generation timed by the performance model."""
     from pearl.agents.simworker import SimConfig, serve
+    from pearl.controlplane.core.catalog import default_catalog
+    from pearl.controlplane.core.domain import ROLLOUT_ROLES, Role
 
     try:
         the_role = Role(role)

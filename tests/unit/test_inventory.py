@@ -42,7 +42,7 @@ def test_workload_block_is_the_scenario_workload() -> None:
                 "gen_tokens_per_turn": {"dist": "constant", "value": 20},
                 "env_latency_s": {"dist": "constant", "value": 0.5}}
     assert parse_inventory({**BASE, "workload": workload}).workload.batch_size == 8
-    with pytest.raises(BadInput, match=r"workload\.turns\.constant\.value: Input should be greater than or equal"):
+    with pytest.raises(BadInput, match=r"workload\.turns\.value: Input should be greater than or equal"):
         parse_inventory({**BASE, "workload": {**workload, "turns": {"dist": "constant", "value": -1}}})
 
 
