@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from .common import emit_json, handle_errors, out
+from .common import emit_json, handle_errors, out, plural
 
 cluster_app = typer.Typer(help="The cluster inventory: nodes, GPUs and worker slots.", no_args_is_help=True)
 
@@ -41,7 +41,7 @@ def import_(
     if as_json:
         emit_json(asdict(result))
     elif result.outcome == "unchanged":
-        out.print(f"{file}: already imported; nothing changed (state_version {result.state_version})")
+        out.print(f"{file}: already imported; nothing changed (state_version {result.state_version})", highlight=False)
     else:
-        out.print(f"{file}: {result.outcome} {result.nodes} nodes, {result.gpus} GPUs, {result.workers} worker slots "
-                  f"(state_version {result.state_version})")
+        out.print(f"{file}: {result.outcome} {plural(result.nodes, 'node')}, {plural(result.gpus, 'GPU')}, "
+                  f"{plural(result.workers, 'worker slot')} (state_version {result.state_version})", highlight=False)

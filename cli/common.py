@@ -24,8 +24,9 @@ from pearl.controlplane.errors import PearlError
 from rich.console import Console
 from rich.text import Text
 
-out = Console(markup=False)  # tables for people, on stdout
-err = Console(stderr=True, markup=False)  # progress, logs and errors
+# Lines of text are not wrapped (a message piped to a file stays one line); tables fit the width.
+out = Console(markup=False, soft_wrap=True)  # tables for people, on stdout
+err = Console(stderr=True, markup=False, soft_wrap=True)  # progress, logs and errors
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -39,11 +39,19 @@ def plan_command(
 ) -> None:
     """Decide the fleet's next configuration (PEARL policy) and write it as a proposed plan."""
     from pearl.controlplane.store.db import make_engine, require_schema
+    from pearl.controlplane.store.plan_store import PlanNotApplicable, applying_plan
     from pearl.policies.live.policy_pass import plan, written_plan
 
     engine = make_engine()
     try:
         require_schema(engine)
+        busy = None if dry_run else applying_plan(engine)
+        if busy is not None:
+            raise PlanNotApplicable(
+                f"plan {busy} is still applying: a plan written now would be computed against a fleet that plan "
+                f"{busy} is changing, and could never apply; nothing was written. Watch it finish with `pearlctl "
+                f"status --watch` (or give it up with `pearlctl apply --abort {busy}`), then plan again; "
+                "`pearlctl plan --dry-run` shows what would be decided now")
         planned = plan(engine, dry_run=dry_run)
         stored = written_plan(engine, planned)
     finally:
