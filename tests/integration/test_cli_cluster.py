@@ -216,4 +216,8 @@ def test_status_tables_and_watch(pearlctl, database_url: str, pearlctl_env: dict
                 watch.kill()
                 watch.communicate()
     assert watch.returncode == 0, errors
-    assert "lost" in out and "state_version 49" in out
+    # piped, it prints one plain line per change (a terminal gets the refreshing tables)
+    lines = out.splitlines()
+    assert len(lines) == 2 and "┃" not in out, out
+    assert "state_version 48" in lines[0] and "20 free, 12 unavailable" in lines[0]
+    assert "state_version 49" in lines[1] and "1 lost" in lines[1] and "latest plan: none" in lines[1]
