@@ -14,8 +14,36 @@ if TYPE_CHECKING:
     from pearl.policies.live.policy_pass import Planned
 
 
+# The words `plan --explain` and the plan table use (also in docs/formats.md, "plan --explain").
+TERMS = {
+    "state_version": "the fleet's version; every change to GPUs, workers, leases or training steps raises it",
+    "profile": "what the prediction rests on: fitted (from telemetry), measured (timed kernels) or catalog",
+    "dedicated worker": "a worker slot on rollout or granted preemptible GPUs",
+    "overlap worker": "a worker slot on training GPUs, borrowable between optimizer steps",
+    "B": "trajectories per rollout step (the batch)",
+    "S": "mean turns per trajectory",
+    "r": "mean tokens generated per turn",
+    "dL": "mean tokens a turn adds to the context (observation plus reply): the method's ΔL",
+    "config": "colocated xN: N servers each prefilling and decoding; aPbD: a prefill and b decode servers",
+    "predicted": "pearl's predicted makespan of one rollout step in that configuration, seconds",
+    "paper": "the same from the paper's closed-form formulas, for comparison",
+    "note": "why a candidate is infeasible, or `round model` when only the coarse model ranked it",
+    "* / =": "the chosen configuration / the one running now",
+    "R/B": "the share of the step's trajectories still unfinished",
+    "T_ded, T_full": "predicted makespan on the dedicated workers alone, and with the overlap workers added",
+    "T_toggle": "the measured cost of one borrow cycle (lend and return a training GPU's worker)",
+    "gate": "borrow iff (R/B) x (T_ded - T_full) > T_toggle",
+    "base_version": "the state_version the plan was computed at; applying it later than that is refused as stale",
+    "D_worker, D_role": "workers the plan starts or stops, and workers whose role it switches",
+    "key, action, worker, node": "a plan step: its name, what it does, the worker slot and its node",
+    "args, after, group": "the step's arguments, the steps it waits for, and the expansion group admitted "
+                          "together",
+}
+_TERMS_HELP = "\n\n".join(["Terms of --explain and the plan table:", *(f"{k}: {v}" for k, v in TERMS.items())])
+
+
 def register(app: typer.Typer) -> None:
-    app.command("plan")(plan_command)
+    app.command("plan", epilog=_TERMS_HELP)(plan_command)
 
 
 def render(planned: Planned) -> Table | Text:

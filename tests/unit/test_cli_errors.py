@@ -184,3 +184,15 @@ def test_reap_defaults_are_the_reapers() -> None:
     params = inspect.signature(reap).parameters
     assert params["max_attempts"].default == reaper.DEFAULT_MAX_ATTEMPTS
     assert params["agent_timeout"].default == reaper.DEFAULT_AGENT_TIMEOUT_S
+
+
+def test_the_docs_explain_every_term_and_column_the_cli_prints() -> None:
+    from pearl.cli.plan import TERMS
+    from pearl.cli.sim import COLUMNS
+
+    formats = (Path(__file__).resolve().parents[2] / "docs" / "formats").with_suffix(".md").read_text()
+    for term, meaning in {**TERMS, **COLUMNS}.items():
+        assert f"| `{term}` | {meaning} |" in formats, term
+    text = " ".join(invoke("plan", "--help", env={"COLUMNS": "400"}).stdout.split())
+    for term in ("R/B", "T_ded, T_full", "T_toggle", "dL", "predicted", "paper", "D_worker, D_role"):
+        assert f"{term}: {TERMS[term]}" in text
