@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from typing import Annotated
 
 import typer
@@ -70,6 +69,8 @@ def simworker(
                     model_path=model_path, weight_version=weight_version, enable_memory_saver=enable_memory_saver,
                     enable_pd_role_switch=enable_pd_role_switch, startup_s=startup_s, weight_load_s=weight_load_s,
                     role_switch_s=role_switch_s, capacity=capacity, run_dir=run_dir)
+    import asyncio
+
     asyncio.run(serve(cfg))
 
 

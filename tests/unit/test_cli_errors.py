@@ -196,3 +196,22 @@ def test_the_docs_explain_every_term_and_column_the_cli_prints() -> None:
     text = " ".join(invoke("plan", "--help", env={"COLUMNS": "400"}).stdout.split())
     for term in ("R/B", "T_ded, T_full", "T_toggle", "dL", "predicted", "paper", "D_worker, D_role"):
         assert f"{term}: {TERMS[term]}" in text
+
+
+def test_the_command_line_starts_without_the_database_and_simulator_libraries() -> None:
+    """`pearlctl --help` and every command's registration import no SQLAlchemy, Alembic, psycopg,
+    pydantic, numpy or simulator: each command imports what it uses when it runs (a fresh interpreter,
+    since this one has them loaded already)."""
+    import subprocess
+    import sys
+
+    heavy = ("sqlalchemy", "alembic", "psycopg", "pydantic", "numpy", "matplotlib", "pearl.sim", "pearl.policies")
+    probe = "import sys, pearl.cli.app; print(sorted(m for m in sys.modules if m.startswith(tuple(sys.argv[1:]))))"
+    loaded = subprocess.run([sys.executable, "-c", probe, *heavy], capture_output=True, text=True, check=True).stdout
+    assert loaded.strip() == "[]"
+
+
+def test_the_schema_check_reads_the_head_revision_without_alembic() -> None:
+    from pearl.controlplane.store.db import head_revision, head_revision_fast
+
+    assert head_revision_fast() == head_revision()
