@@ -8,7 +8,7 @@ from typing import Annotated, Any
 import typer
 from pearl.controlplane.errors import BadInput, StepFailed
 
-from .common import emit_json, err, handle_errors, out
+from .common import emit_json, err, fail, handle_errors, out
 
 
 def register(app: typer.Typer) -> None:
@@ -74,8 +74,9 @@ def apply_command(
                    "nodes": list(applied.nodes)})
     elif wait:
         out.print(f"plan {applied.plan_id} {summary['status']} ({_step_counts(summary)})")
-    if summary["status"] == "failed":
-        raise StepFailed(f"plan {applied.plan_id} failed: {summary['error']}")
+    if summary["status"] == "failed":  # the result is printed (its JSON too): the failure is the exit status
+        raise fail(str(StepFailed(f"plan {applied.plan_id} failed: {summary['error']}")), StepFailed.exit_code,
+                   as_json=False)
 
 
 def _abort(plan_id: int, as_json: bool) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from pearl.cli.common import emit_json, err, handle_errors, out
+from pearl.cli.common import emit_json, err, fail, handle_errors, out
 from pearl.controlplane.errors import PearlError
 
 if TYPE_CHECKING:  # Rich's tables are imported when a table is drawn
@@ -217,7 +217,7 @@ def compare(scenario: ScenarioOpt, set_: SetOpt = None, json_: JsonOpt = False, 
         if plot is not None:
             err.print(f"wrote {plot}")
     if bound is not None and not bound["ok"]:  # the results are printed; the failed check is the exit status
-        raise PearlError(_bound_failure(bound))
+        raise fail(_bound_failure(bound), PearlError.exit_code, as_json=False)
 
 
 def _bound_lines(bound: dict) -> list[str]:

@@ -1,4 +1,4 @@
-"""`pearlctl init`, `cluster import` and `status` in a subprocess against a real database."""
+"""`pearlctl init`, `cluster import` and `status` in process (the `pearlctl` fixture) against a real database; --watch and --wait in a process of their own."""
 
 from __future__ import annotations
 
@@ -157,11 +157,12 @@ def test_bad_inventory_is_refused_naming_the_field(database_url: str, pearlctl_e
     assert counts(database_url) == (0, 0, 0)  # nothing written
 
 
-def test_bad_inventory_exit_code_through_the_console_script(pearlctl, database_url: str, tmp_path: Path) -> None:
+def test_bad_inventory_exit_code_through_the_console_script(pearlctl_process, database_url: str,
+                                                            tmp_path: Path) -> None:
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump({"model": "qwen3-8b", "gpu": "h800", "tp": 2,
                                     "nodes": [{"name": "t", "zone": "training", "gpus": 3, "address": "x"}]}))
-    result = pearlctl("cluster", "import", str(path))
+    result = pearlctl_process("cluster", "import", str(path))
     assert result.returncode == 2
     assert "nodes.0.gpus: 3 GPUs on 't' is not a multiple of tp (2)" in result.stderr
     assert counts(database_url) == (0, 0, 0)

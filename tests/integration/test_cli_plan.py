@@ -1,4 +1,4 @@
-"""`pearlctl plan` and `pearlctl apply` in a subprocess against a real database: the paper cluster with a
+"""`pearlctl plan` and `pearlctl apply` in process (the `pearlctl` fixture) against a real database; --watch and --wait in a process of their own: the paper cluster with a
 workload block, --explain, --json, --dry-run, stale plans, and --wait while the test plays the agents."""
 
 from __future__ import annotations
