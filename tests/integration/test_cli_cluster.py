@@ -1,4 +1,5 @@
-"""`pearlctl init`, `cluster import` and `status` in process (the `pearlctl` fixture) against a real database; --watch and --wait in a process of their own."""
+"""`pearlctl init`, `cluster import` and `status` in process (the `pearlctl` fixture) against a real
+database; `status --watch` and the console script in a process of their own."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""`pearlctl plan` and `pearlctl apply` in process (the `pearlctl` fixture) against a real database; --watch and --wait in a process of their own: the paper cluster with a
-workload block, --explain, --json, --dry-run, stale plans, and --wait while the test plays the agents."""
+"""`pearlctl plan` and `pearlctl apply` against a real database, in process (the `pearlctl` fixture),
+`apply --wait` in a process of its own: the paper cluster with a workload block, --explain, --json,
+--dry-run, stale plans, and --wait while the test plays the agents."""
 
 from __future__ import annotations
 
