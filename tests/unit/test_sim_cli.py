@@ -20,6 +20,29 @@ TINY = ["--set", "duration_s=900", "--set", "workload.batch_size=16"]  # for com
 SYSTEMS = {"roll", "roll-large", "rlboost-plus", "pearl", "oracle"}
 
 
+_RUNS: dict[tuple[str, str, str], object] = {}
+
+
+@pytest.fixture(autouse=True)
+def shared_runs(monkeypatch):
+    """One simulation per (scenario, system) for the whole module: `sim run` and `sim compare` in
+    several tests read the same deterministic runs (tests that need a process of their own still
+    simulate there). A reused run reports its progress as finished."""
+    from pearl.sim import experiments
+
+    simulate = experiments.run_system
+
+    def run_system(scenario, name, progress=None):
+        key = (str(scenario.source), scenario.model_dump_json(), name)
+        if key not in _RUNS:
+            _RUNS[key] = simulate(scenario, name, progress)
+        elif progress is not None:
+            progress(name, scenario.duration_s)
+        return _RUNS[key]
+
+    monkeypatch.setattr(experiments, "run_system", run_system)
+
+
 @pytest.fixture
 def cli():
     runner = CliRunner()
