@@ -17,6 +17,10 @@ def validation_messages(exc: ValidationError, prefix: str = "") -> list[tuple[st
     for err in exc.errors():
         loc = ".".join(str(p) for p in err["loc"] if not (isinstance(p, str) and p in _DIST_TAGS))
         msg = err["msg"].removeprefix("Value error, ").removeprefix("Assertion failed, ")
+        ctx = err.get("ctx") or {}
+        if err["type"] == "too_short" and "min_length" in ctx:  # not "Tuple should have at least 1 item ..."
+            least = ctx["min_length"]
+            msg = f"needs at least {least} {'entry' if least == 1 else 'entries'}, got {ctx.get('actual_length', 0)}"
         found.append((prefix + loc, msg))
     return found
 

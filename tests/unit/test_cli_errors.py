@@ -152,6 +152,9 @@ def test_validation_messages_have_no_python_noise(tmp_path: Path) -> None:
                  "--set", "workload.turns.p99=0.5")
     assert res.exit_code == 2 and "workload.turns: p99 must be >= median" in res.stderr
     assert "Value error" not in res.stderr and "lognormal" not in res.stderr
+    res = invoke("cluster", "import", str(write(tmp_path / "empty.yaml", {**INVENTORY, "nodes": []})))
+    assert res.exit_code == 2 and "nodes: needs at least 1 entry, got 0" in res.stderr
+    assert "Tuple" not in res.stderr
 
 
 def test_sim_help_lists_the_systems_and_the_shipped_scenarios_and_explains_the_columns() -> None:

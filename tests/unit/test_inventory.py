@@ -48,7 +48,7 @@ def test_workload_block_is_the_scenario_workload() -> None:
 
 @pytest.mark.parametrize(("raw", "message"), [
     ([1, 2], "an inventory is a mapping"),
-    ({**BASE, "nodes": []}, "nodes: Tuple should have at least 1 item"),
+    ({**BASE, "nodes": []}, "nodes: needs at least 1 entry, got 0"),
     ({**BASE, "nodes": [{**BASE["nodes"][0], "gpus": 0}]}, "nodes.0.gpus: Input should be greater than 0"),
     ({**BASE, "nodes": [{**BASE["nodes"][0], "name": ""}]}, "nodes.0.name: String should have at least 1"),
     ({k: v for k, v in BASE.items() if k != "gpu"}, "gpu: Field required"),
