@@ -51,10 +51,13 @@ def render(planned: Planned) -> Table | Text:
         return Text(f"no change: {planned.target.reason}")
     title = (f"plan {planned.plan_id} (proposed" if planned.plan_id else "plan (dry run, not written") + \
         f"; base_version {planned.plan.base_version}, D_worker {planned.plan.d_worker}, D_role {planned.plan.d_role})"
-    table = Table("key", "action", "worker", "node", "args", "after", "group", title=title)
+    table = Table(title=title)
+    for col in ("key", "action", "worker", "node", "args", "after", "group"):
+        # one argument and one dependency a line; a narrow terminal folds a cell, never cuts it short
+        table.add_column(col, overflow="fold")
     for s in planned.plan.steps:
-        args = " ".join(f"{k}={v}" for k, v in s.args.items())
-        after = ", ".join(s.after) if len(s.after) <= 2 else f"{len(s.after)} steps"
+        args = "\n".join(f"{k}={v}" for k, v in s.args.items())
+        after = "\n".join(s.after) if len(s.after) <= 2 else f"{len(s.after)} steps"
         table.add_row(s.key, str(s.action), str(s.worker_id), s.node, args, after, s.group or "")
     return table
 

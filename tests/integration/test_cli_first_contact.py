@@ -94,10 +94,12 @@ def test_while_a_plan_applies_plan_says_so_and_apply_suggests_what_works(cli, da
     assert dict(plans(database_url))[1] == "failed"
 
 
-def test_status_fits_80_columns_and_the_plan_line_stays_in_24_rows(cli, database_url: str) -> None:
+def test_status_and_plan_fit_80_columns_and_the_plan_line_stays_in_24_rows(cli, database_url: str) -> None:
+    from pearl.cli.plan import render as render_plan
     from pearl.cli.status import render
     from pearl.controlplane.store.db import make_engine
     from pearl.controlplane.store.fleet_status import read_fleet_status
+    from pearl.policies.live.policy_pass import plan as policy_plan
 
     assert cli("cluster", "import", str(SWE)).exit_code == 0
     assert cli("plan").exit_code == 0
@@ -105,8 +107,13 @@ def test_status_fits_80_columns_and_the_plan_line_stays_in_24_rows(cli, database
     engine = make_engine(database_url)
     try:
         s = read_fleet_status(engine)
+        planned = policy_plan(engine, dry_run=True)
     finally:
         engine.dispose()
+    screen = io.StringIO()  # the plan table folds its cells in 80 columns, never cuts one short
+    Console(file=screen, width=80, color_system=None).print(render_plan(planned))
+    assert max(len(line) for line in screen.getvalue().splitlines()) <= 80 and "…" not in screen.getvalue()
+    assert "role=coloc" in screen.getvalue() and "w1.start" in screen.getvalue()
     screen = io.StringIO()
     Console(file=screen, width=80, color_system=None).print(render(s, width=80))
     lines = screen.getvalue().splitlines()
