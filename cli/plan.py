@@ -97,6 +97,8 @@ def plan_command(
     if explain:
         out.print(planned.explain(), markup=False, highlight=False)
         out.print()
+    if not out.is_terminal:  # piped or redirected: the table's full width (Rich would assume 80 columns)
+        out.width = max(out.width, 140)
     out.print(render(planned))
     if planned.plan_id:
         out.print(f"apply it with `pearlctl apply {planned.plan_id}` (decision {planned.decision_id})")
