@@ -77,7 +77,7 @@ class Scenario(_Strict):
     training: Training
     reconfig: Reconfig
     duration_s: float = Field(gt=0, le=MAX_DURATION_S)
-    seed: int = 0
+    seed: int = Field(default=0, ge=0, lt=2**63)  # numpy seeds are non-negative
     # resolved on load, not part of the file
     source: Path | None = Field(default=None, exclude=True)
     trace_data: Trace | None = Field(default=None, exclude=True)

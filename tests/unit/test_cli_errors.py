@@ -218,3 +218,8 @@ def test_the_schema_check_reads_the_head_revision_without_alembic() -> None:
     from pearl.controlplane.store.db import head_revision, head_revision_fast
 
     assert head_revision_fast() == head_revision()
+
+
+def test_a_negative_seed_is_bad_input_not_an_internal_error() -> None:
+    res = invoke("sim", "run", "--scenario", "paper-qwen3-8b-seg1", "--policy", "roll", "--set", "seed=-1", "--json")
+    assert res.exit_code == 2 and json.loads(res.stdout)["field"] == "seed"
