@@ -8,7 +8,7 @@ from typing import Annotated, Any
 import typer
 from pearl.controlplane.errors import BadInput, StepFailed
 
-from .common import emit_json, err, fail, handle_errors, out
+from .common import MAX_ID, emit_json, err, fail, handle_errors, out
 
 
 def register(app: typer.Typer) -> None:
@@ -23,14 +23,14 @@ def _step_counts(summary: dict[str, Any]) -> str:
 
 @handle_errors
 def apply_command(
-    plan_id: Annotated[int | None, typer.Argument(help="The plan to apply.", min=1)] = None,
+    plan_id: Annotated[int | None, typer.Argument(help="The plan to apply.", min=1, max=MAX_ID)] = None,
     latest: Annotated[bool, typer.Option("--latest", help="Apply the latest proposed plan.")] = False,
     wait: Annotated[bool, typer.Option("--wait", help="Wait until the plan succeeds or fails.")] = False,
     timeout: Annotated[float, typer.Option("--timeout", min=0.0, help="Seconds --wait waits at most.")] = 600.0,
     poll: Annotated[float, typer.Option("--poll", min=0.05, help="Seconds between polls while waiting.")] = 0.5,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
     abort_id: Annotated[int | None, typer.Option(
-        "--abort", metavar="PLAN_ID", min=1,
+        "--abort", metavar="PLAN_ID", min=1, max=MAX_ID,
         help="Give up an applying plan that cannot finish: mark it failed, cancel its steps not yet run, and "
              "apply a cleanup plan that releases the workers it left between states.")]
     = None,

@@ -29,6 +29,7 @@ out = Console(markup=False, soft_wrap=True)  # tables for people, on stdout
 err = Console(stderr=True, markup=False, soft_wrap=True)  # progress, logs and errors
 
 F = TypeVar("F", bound=Callable[..., Any])
+MAX_ID = 2**63 - 1  # ids, steps and versions are PostgreSQL bigints: a larger number is bad input
 
 _JSON_PARAMS = ("as_json", "json_")
 # "nodes.2.zone: ...", "--set workload.batch_size: ...", "PEARL_HOME: ...": the field a message leads with

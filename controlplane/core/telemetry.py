@@ -74,8 +74,8 @@ class IterationRecord(_Strict):
 
 
 class StepTelemetry(_Strict):
-    step: int = Field(ge=0)
-    batch_size: int = Field(gt=0)
+    step: int = Field(ge=0, lt=2**63)  # a PostgreSQL bigint
+    batch_size: int = Field(gt=0, le=65_536)  # the workload's sanity limit
     trajectories: list[TrajectoryRecord] = Field(min_length=1)
     iterations: list[IterationRecord] = Field(default_factory=list)
     decode_fraction: float | None = Field(default=None, gt=0, le=1)

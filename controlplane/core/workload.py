@@ -17,7 +17,7 @@ Z99 = NormalDist().inv_cdf(0.99)
 # Sanity limits: far above real RL batches and contexts, low enough that a typo is refused at once
 # instead of exhausting memory.
 MAX_BATCH_SIZE = 65_536
-MAX_CONTEXT_TOKENS = 4_194_304
+MAX_CONTEXT_TOKENS = 1_000_000_000  # a cap only: "no truncation" is a large value
 
 
 class _Dist(BaseModel):

@@ -223,3 +223,24 @@ def test_the_schema_check_reads_the_head_revision_without_alembic() -> None:
 def test_a_negative_seed_is_bad_input_not_an_internal_error() -> None:
     res = invoke("sim", "run", "--scenario", "paper-qwen3-8b-seg1", "--policy", "roll", "--set", "seed=-1", "--json")
     assert res.exit_code == 2 and json.loads(res.stdout)["field"] == "seed"
+
+
+@pytest.mark.parametrize(("args", "named"), [
+    (["apply", "99999999999999999999"], "plan_id"),
+    (["apply", "--abort", "99999999999999999999"], "--abort"),
+    (["event", "training-begin", "--step", "99999999999999999999"], "--step"),
+    (["event", "rollout-progress", "--step", "1", "--finished", "99999999999999999999"], "--finished"),
+    (["event", "gpus-granted", "--node", "spot-0", "--gpus", "99999999999999999999"], "--gpus"),
+])
+def test_numbers_beyond_the_database_are_bad_input_naming_the_option(args, named) -> None:
+    res = invoke(*args)  # refused before any database is reached
+    no_traceback(res)
+    assert res.exit_code == 2 and named in res.stderr
+
+
+def test_telemetry_beyond_the_limits_is_bad_input(tmp_path: Path) -> None:
+    path = tmp_path / "t.json"
+    path.write_text('{"step": 99999999999999999999, "batch_size": 8, "trajectories": [{"turns": 1, '
+                    '"prompt_tokens": 10, "obs_tokens": [], "gen_tokens": [5], "env_s": []}]}')
+    res = invoke("event", "telemetry", str(path), "--json")
+    assert res.exit_code == 2 and json.loads(res.stdout)["field"] == "step"
