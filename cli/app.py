@@ -45,7 +45,28 @@ _register()
 
 
 def main() -> None:
-    app()
+    """The console script: under `--json`, a usage error is a JSON object on stdout too; no command
+    ends in a traceback (PEARL_DEBUG=1 shows one for an internal error)."""
+    import os
+    import sys
+
+    from .common import fail, is_usage_error, usage_field
+
+    as_json = "--json" in sys.argv[1:]
+    try:
+        code = app(standalone_mode=False) if as_json else app()
+    except SystemExit:
+        raise
+    except KeyboardInterrupt:
+        raise SystemExit(130) from None
+    except Exception as exc:
+        if as_json and is_usage_error(exc):
+            raise SystemExit(fail(exc.format_message(), exc.exit_code, True, usage_field(exc)).exit_code) from None
+        if os.environ.get("PEARL_DEBUG"):
+            raise
+        message = f"internal error: {type(exc).__name__}: {exc} (PEARL_DEBUG=1 shows the traceback)"
+        raise SystemExit(fail(message, 1, as_json).exit_code) from None
+    raise SystemExit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

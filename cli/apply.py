@@ -7,10 +7,8 @@ from typing import Annotated, Any
 
 import typer
 from pearl.controlplane.errors import BadInput, StepFailed
-from pearl.controlplane.store.db import make_engine, require_schema, transaction
-from pearl.controlplane.store.plan_store import abort, apply, plan_summary, step_counts, wait_plan
 
-from .common import emit_json, err, handle_errors, out
+from .common import MAX_ID, emit_json, err, fail, handle_errors, out
 
 
 def register(app: typer.Typer) -> None:
@@ -18,19 +16,21 @@ def register(app: typer.Typer) -> None:
 
 
 def _step_counts(summary: dict[str, Any]) -> str:
+    from pearl.controlplane.store.plan_store import step_counts
+
     return ", ".join(f"{n} {status}" for status, n in sorted(step_counts(summary).items()))
 
 
 @handle_errors
 def apply_command(
-    plan_id: Annotated[int | None, typer.Argument(help="The plan to apply.", min=1)] = None,
+    plan_id: Annotated[int | None, typer.Argument(help="The plan to apply.", min=1, max=MAX_ID)] = None,
     latest: Annotated[bool, typer.Option("--latest", help="Apply the latest proposed plan.")] = False,
     wait: Annotated[bool, typer.Option("--wait", help="Wait until the plan succeeds or fails.")] = False,
     timeout: Annotated[float, typer.Option("--timeout", min=0.0, help="Seconds --wait waits at most.")] = 600.0,
     poll: Annotated[float, typer.Option("--poll", min=0.05, help="Seconds between polls while waiting.")] = 0.5,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
     abort_id: Annotated[int | None, typer.Option(
-        "--abort", metavar="PLAN_ID", min=1,
+        "--abort", metavar="PLAN_ID", min=1, max=MAX_ID,
         help="Give up an applying plan that cannot finish: mark it failed, cancel its steps not yet run, and "
              "apply a cleanup plan that releases the workers it left between states.")]
     = None,
@@ -43,6 +43,9 @@ def apply_command(
         return
     if (plan_id is None) == (not latest):
         raise BadInput("PLAN_ID / --latest: give a plan id or --latest (one of them)")
+    from pearl.controlplane.store.db import make_engine, require_schema, transaction
+    from pearl.controlplane.store.plan_store import apply, plan_summary, wait_plan
+
     engine = make_engine()
     try:
         require_schema(engine)
@@ -71,11 +74,15 @@ def apply_command(
                    "nodes": list(applied.nodes)})
     elif wait:
         out.print(f"plan {applied.plan_id} {summary['status']} ({_step_counts(summary)})")
-    if summary["status"] == "failed":
-        raise StepFailed(f"plan {applied.plan_id} failed: {summary['error']}")
+    if summary["status"] == "failed":  # the result is printed (its JSON too): the failure is the exit status
+        raise fail(str(StepFailed(f"plan {applied.plan_id} failed: {summary['error']}")), StepFailed.exit_code,
+                   as_json=False)
 
 
 def _abort(plan_id: int, as_json: bool) -> None:
+    from pearl.controlplane.store.db import make_engine, require_schema, transaction
+    from pearl.controlplane.store.plan_store import abort, plan_summary
+
     engine = make_engine()
     try:
         require_schema(engine)

@@ -7,11 +7,8 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from pearl.controlplane.core.inventory import load_inventory
-from pearl.controlplane.store.db import make_engine, require_schema, transaction
-from pearl.controlplane.store.inventory_import import import_inventory
 
-from .common import emit_json, handle_errors, out
+from .common import emit_json, handle_errors, out, plural
 
 cluster_app = typer.Typer(help="The cluster inventory: nodes, GPUs and worker slots.", no_args_is_help=True)
 
@@ -29,6 +26,10 @@ def import_(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Import an inventory; the same file again changes nothing."""
+    from pearl.controlplane.core.inventory import load_inventory
+    from pearl.controlplane.store.db import make_engine, require_schema, transaction
+    from pearl.controlplane.store.inventory_import import import_inventory
+
     inventory = load_inventory(file)  # bad input is refused before the database is touched
     engine = make_engine()
     try:
@@ -40,7 +41,7 @@ def import_(
     if as_json:
         emit_json(asdict(result))
     elif result.outcome == "unchanged":
-        out.print(f"{file}: already imported; nothing changed (state_version {result.state_version})")
+        out.print(f"{file}: already imported; nothing changed (state_version {result.state_version})", highlight=False)
     else:
-        out.print(f"{file}: {result.outcome} {result.nodes} nodes, {result.gpus} GPUs, {result.workers} worker slots "
-                  f"(state_version {result.state_version})")
+        out.print(f"{file}: {result.outcome} {plural(result.nodes, 'node')}, {plural(result.gpus, 'GPU')}, "
+                  f"{plural(result.workers, 'worker slot')} (state_version {result.state_version})", highlight=False)

@@ -7,22 +7,14 @@ started on first use and left running for the next invocation; `db stop` stops t
 from __future__ import annotations
 
 from dataclasses import asdict
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
-from pearl.controlplane.services.embedded import (
-    ServiceStatus,
-    broker_url,
-    database_url,
-    postgres_status,
-    redis_status,
-    stop_postgres,
-    stop_redis,
-)
-from pearl.controlplane.services.settings import get_settings, redact_url
-from rich.table import Table
 
 from .common import emit_json, handle_errors, out
+
+if TYPE_CHECKING:
+    from pearl.controlplane.services.embedded import ServiceStatus
 
 db_app = typer.Typer(help="The database and broker: embedded servers under PEARL_HOME, or the configured ones.",
                      no_args_is_help=True)
@@ -38,6 +30,8 @@ def _render(statuses: list[ServiceStatus], as_json: bool) -> None:
     if as_json:
         emit_json({s.service: asdict(s) for s in statuses})
         return
+    from rich.table import Table
+
     table = Table("service", "where", "running", "pid")
     table.add_column("url", overflow="fold")
     for s in statuses:
@@ -50,6 +44,9 @@ def _render(statuses: list[ServiceStatus], as_json: bool) -> None:
 @handle_errors
 def url(broker: Annotated[bool, typer.Option("--broker", help="The broker URL instead.")] = False) -> None:
     """Print the database URL (for psql; without any password), starting the embedded server if needed."""
+    from pearl.controlplane.services.embedded import broker_url, database_url
+    from pearl.controlplane.services.settings import get_settings, redact_url
+
     settings = get_settings()
     value = broker_url(settings) if broker else database_url(settings)
     typer.echo(redact_url(value))
@@ -59,6 +56,9 @@ def url(broker: Annotated[bool, typer.Option("--broker", help="The broker URL in
 @handle_errors
 def start(as_json: JsonOption = False) -> None:
     """Start the embedded PostgreSQL and Redis (nothing starts for a configured URL)."""
+    from pearl.controlplane.services.embedded import broker_url, database_url, postgres_status, redis_status
+    from pearl.controlplane.services.settings import get_settings
+
     settings = get_settings()
     database_url(settings)
     broker_url(settings)
@@ -69,6 +69,9 @@ def start(as_json: JsonOption = False) -> None:
 @handle_errors
 def stop(as_json: JsonOption = False) -> None:
     """Stop the embedded servers under PEARL_HOME (configured servers are not touched)."""
+    from pearl.controlplane.services.embedded import stop_postgres, stop_redis
+    from pearl.controlplane.services.settings import get_settings
+
     home = get_settings().home
     stopped = {"postgresql": stop_postgres(home), "redis": stop_redis(home)}
     if as_json:
@@ -82,5 +85,8 @@ def stop(as_json: JsonOption = False) -> None:
 @handle_errors
 def status(as_json: JsonOption = False) -> None:
     """Whether the database and the broker run, where, and their URLs."""
+    from pearl.controlplane.services.embedded import postgres_status, redis_status
+    from pearl.controlplane.services.settings import get_settings
+
     settings = get_settings()
     _render([postgres_status(settings), redis_status(settings)], as_json)

@@ -8,7 +8,6 @@ from typing import Annotated, Any
 import typer
 from pearl.controlplane.errors import BadInput
 from rich.console import Group
-from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
@@ -44,6 +43,8 @@ def demo(
         raise BadInput(f"--duration: between 0 and 86400 model seconds, not {duration:g}")
     if plot is not None and plot.suffix.lower() != ".png":
         raise BadInput(f"--plot: a .png file, not {plot}")
+    from rich.live import Live
+
     live = Live(Text("starting the live system..."), console=err, auto_refresh=False, transient=False)
 
     def view(status: dict[str, Any], stats: Any, model_s: float) -> None:

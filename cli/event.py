@@ -8,15 +8,12 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from pearl.controlplane.core.telemetry import load_telemetry
 from pearl.controlplane.errors import BadInput
-from pearl.controlplane.store.db import make_engine, require_schema
-from pearl.controlplane.store.telemetry_store import ingest_telemetry
 
-from .common import emit_json, handle_errors, out
+from .common import MAX_ID, emit_json, handle_errors, out
 
 JsonOption = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
-StepOption = Annotated[int, typer.Option("--step", min=0, help="The step's number.")]
+StepOption = Annotated[int, typer.Option("--step", min=0, max=MAX_ID, help="The step's number.")]
 NodeOption = Annotated[str, typer.Option("--node", help="The preemptible node (its name in the inventory).")]
 GpusOption = Annotated[str | None, typer.Option("--gpus", help="Device indices on the node, e.g. 0,1 (default: all).")]
 
@@ -37,6 +34,10 @@ def telemetry(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Store one step's telemetry and refit the fleet's profile (a step already ingested: no-op if identical)."""
+    from pearl.controlplane.core.telemetry import load_telemetry
+    from pearl.controlplane.store.db import make_engine, require_schema
+    from pearl.controlplane.store.telemetry_store import ingest_telemetry
+
     step = load_telemetry(file)  # bad telemetry is refused before the database is touched
     if makespan_s is not None and not (math.isfinite(makespan_s) and makespan_s > 0):
         raise BadInput(f"--makespan-s: must be a finite number > 0, got {makespan_s}")
@@ -65,8 +66,8 @@ def _devices(gpus: str | None) -> list[int] | None:
         devices = [int(x) for x in gpus.split(",") if x.strip()]
     except ValueError:
         raise BadInput(f"--gpus: a comma-separated list of device indices, got {gpus!r}") from None
-    if not devices or min(devices) < 0:
-        raise BadInput(f"--gpus: a comma-separated list of device indices >= 0, got {gpus!r}")
+    if not devices or min(devices) < 0 or max(devices) >= 1024:
+        raise BadInput(f"--gpus: a comma-separated list of device indices from 0 to 1023, got {gpus!r}")
     return devices
 
 
@@ -99,7 +100,7 @@ def training_begin(
 @handle_errors
 def training_end(
     step: StepOption,
-    weights_version: Annotated[int | None, typer.Option("--weights-version", min=0,
+    weights_version: Annotated[int | None, typer.Option("--weights-version", min=0, max=MAX_ID,
                                                         help="The weights version the step produced.")] = None,
     snapshot: Annotated[str | None, typer.Option("--snapshot", help="Where its weights are: a snapshot directory "
                                                  "(safetensors and manifest.json), a path or file:// URI; checked "
@@ -121,8 +122,9 @@ def training_end(
 @handle_errors
 def rollout_progress(
     step: StepOption,
-    finished: Annotated[int, typer.Option("--finished", min=0, help="Trajectories of the step finished so far.")],
-    batch_size: Annotated[int | None, typer.Option("--batch-size", min=1,
+    finished: Annotated[int, typer.Option("--finished", min=0, max=MAX_ID,
+                                          help="Trajectories of the step finished so far.")],
+    batch_size: Annotated[int | None, typer.Option("--batch-size", min=1, max=MAX_ID,
                                                    help="Trajectories in the step (its first report).")] = None,
     as_json: JsonOption = False,
 ) -> None:

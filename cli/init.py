@@ -5,8 +5,6 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
-from pearl.controlplane.services.settings import redact_url
-from pearl.controlplane.store.db import current_revision, make_engine, upgrade
 
 from .common import emit_json, handle_errors, out
 
@@ -18,6 +16,9 @@ def register(app: typer.Typer) -> None:
 @handle_errors
 def init(as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False) -> None:
     """Create or upgrade pearl's schema in the database (safe to run again, and concurrently)."""
+    from pearl.controlplane.services.settings import redact_url
+    from pearl.controlplane.store.db import current_revision, make_engine, upgrade
+
     engine = make_engine()
     try:
         before = current_revision(engine)

@@ -6,7 +6,6 @@ import signal
 from typing import Annotated
 
 import typer
-from pearl.controlplane.store.db import make_engine, require_schema
 
 from .common import emit_json, handle_errors, out, setup_logging
 
@@ -26,6 +25,7 @@ def tick_command(
 ) -> None:
     """One policy pass: observe, decide, plan, apply what the policy allows. Safe under cron at any
     rate and with several copies at once."""
+    from pearl.controlplane.store.db import make_engine, require_schema
     from pearl.policies.live.tick import tick
 
     engine = make_engine()
@@ -56,6 +56,8 @@ def loop_command(
     if lease <= interval / 3 and lease < 1:
         raise typer.BadParameter("must be longer than a third of --interval", param_hint="--lease-s")
     setup_logging(json_logs)
+    from pearl.controlplane.store.db import make_engine, require_schema
+
     engine = make_engine()
     try:
         require_schema(engine)

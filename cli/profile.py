@@ -6,18 +6,9 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
-from pearl.controlplane.core.catalog import default_catalog
-from pearl.controlplane.core.perfmodel import PerfModel
-from pearl.controlplane.core.profile import ProfileKey
 from pearl.controlplane.errors import BadInput
-from pearl.controlplane.measure.kernels import CPU_SCALE, MeasureSpec, ffn_width, import_torch, measure
-from pearl.controlplane.store.db import make_engine, require_schema, transaction
-from pearl.controlplane.store.profile_store import save_measured
 
 from .common import emit_json, err, handle_errors, out
-
-# (scale, max batch, context, prefill chunk, repeats) when not given
-_DEFAULTS = {"cpu": (CPU_SCALE, 64, 1024, 256, 5), "cuda": (1.0, 512, 4096, 2048, 10)}
 
 
 def register(app: typer.Typer) -> None:
@@ -42,10 +33,19 @@ def profile(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Measure A, b and t_p with kernels shaped like the model's layers; store them as a measured profile."""
+    from pearl.controlplane.core.catalog import default_catalog
+    from pearl.controlplane.core.perfmodel import PerfModel
+    from pearl.controlplane.core.profile import ProfileKey
+    from pearl.controlplane.measure.kernels import CPU_SCALE, MeasureSpec, ffn_width, import_torch, measure
+    from pearl.controlplane.store.db import make_engine, require_schema, transaction
+    from pearl.controlplane.store.profile_store import save_measured
+
+    # (scale, max batch, context, prefill chunk, repeats) when not given
+    defaults = {"cpu": (CPU_SCALE, 64, 1024, 256, 5), "cuda": (1.0, 512, 4096, 2048, 10)}
     spec_model = default_catalog().model(model)
     torch = import_torch()
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device not in _DEFAULTS:
+    if device not in defaults:
         raise BadInput(f"--device: must be cpu or cuda, got {device!r}")
     perf = None
     if device == "cuda":
@@ -54,7 +54,7 @@ def profile(
         perf = PerfModel(spec_model, default_catalog().gpu(gpu), tp)
     elif gpu not in (None, "cpu"):
         raise BadInput(f"--gpu: a CPU measurement is keyed gpu 'cpu', not {gpu!r} (use --device cuda on that GPU)")
-    d_scale, d_batch, d_context, d_chunk, d_repeats = _DEFAULTS[device]
+    d_scale, d_batch, d_context, d_chunk, d_repeats = defaults[device]
     spec = MeasureSpec(device=device, scale=scale if scale is not None else d_scale, tp=tp,
                        max_batch=max_batch or d_batch, context_tokens=context or d_context,
                        chunk_tokens=chunk or d_chunk, repeats=repeats or d_repeats)

@@ -5,8 +5,6 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
-from pearl.controlplane.store import reaper
-from pearl.controlplane.store.db import make_engine, require_schema
 
 from .common import emit_json, handle_errors, out
 
@@ -19,15 +17,18 @@ def register(app: typer.Typer) -> None:
 def reap(
     max_attempts: Annotated[int, typer.Option("--max-attempts", min=1,
                                               help="Claims of one step that may expire before it fails.")]
-    = reaper.DEFAULT_MAX_ATTEMPTS,
+    = 3,  # reaper.DEFAULT_MAX_ATTEMPTS (tests/unit/test_cli_errors.py keeps them equal)
     agent_timeout: Annotated[float, typer.Option("--agent-timeout", min=0.1,
                                                  help="Seconds without a heartbeat after which an agent is gone.")]
-    = reaper.DEFAULT_AGENT_TIMEOUT_S,
+    = 30.0,  # reaper.DEFAULT_AGENT_TIMEOUT_S
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Rescue expired step claims, fail the plan of a failed step (its cleanup plan frees the GPUs of an
     abandoned expansion group), finish a plan with nothing left, and mark silent agents and their
     workers. Idempotent: safe from cron at any rate, beside the agents."""
+    from pearl.controlplane.store import reaper
+    from pearl.controlplane.store.db import make_engine, require_schema
+
     engine = make_engine()
     try:
         require_schema(engine)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 import threading
 from pathlib import Path
@@ -52,6 +51,8 @@ def serve(
         require_schema(engine)
         threading.Thread(target=_register_when_listening, args=(engine, cfg), daemon=True).start()
     try:
+        import asyncio
+
         asyncio.run(run(cfg))
     except RuntimeError as exc:
         raise PearlError(str(exc)) from None

@@ -1,23 +1,66 @@
-"""`pearlctl sim run | compare | ratio`: the simulator from the command line."""
+"""`pearlctl sim run | compare | ratio`: the simulator from the command line.
+
+The module imports the simulator only inside the commands, so `pearlctl --help` stays quick; the names
+below (systems, table columns) are kept equal to the simulator's by tests/unit/test_cli_errors.py.
+"""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from pearl.cli.common import emit_json, err, handle_errors, out
+from pearl.cli.common import emit_json, err, fail, handle_errors, out
 from pearl.controlplane.errors import PearlError
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
+
+if TYPE_CHECKING:  # Rich's tables are imported when a table is drawn
+    from rich.table import Table
+
+# name: what it is (sim/systems.py)
+SYSTEM_HELP = {
+    "roll": "reserved rollout GPUs only, colocated, static",
+    "roll-large": "a fixed reserve: the reserved plus the trace's mean preemptible GPUs",
+    "rlboost-plus": "reserved plus preemptible GPUs, elastic, colocated, no borrowing",
+    "pearl": "adaptive PD mode and ratio, gated borrowing of the training GPUs, elastic",
+    "oracle": "pearl's GPUs with hindsight and free reconfiguration (an upper bound)",
+    "pearl-pd-only": "ablation: pearl without borrowing",
+    "pearl-ungated": "ablation: pearl borrowing whenever the training GPUs are idle",
+    "pearl-forced-split": "ablation: pearl always split",
+}
+_SHIPPED_SCENARIOS = Path(__file__).resolve().parent.parent / "sim" / "scenarios"
+
+# The columns of the `sim run | compare` tables, in words (also in docs/formats.md).
+COLUMNS = {
+    "system": "the system simulated (`--policy`)",
+    "tok/s": "the metric: generated plus trained tokens of the training steps completed within duration_s, "
+             "per second",
+    "×roll": "tok/s divided by roll's",
+    "×rlb+": "tok/s divided by rlboost-plus's",
+    "steps": "rollout steps (batches) completed",
+    "GPU·h": "GPU-hours held by rollout workers, dedicated and borrowed",
+    "reconf": "reconfigurations: workers started, stopped or switched by plans (D_worker + D_role)",
+    "late": "training steps delayed by borrowed GPUs that came back late",
+    "forced": "preempted workers still serving at their deadline, released by force",
+    "step s": "mean rollout-step makespan, seconds",
+    "wall s": "seconds the simulation took on this machine",
+}
+
+
+def _shipped() -> str:
+    return ", ".join(p.stem for p in sorted(_SHIPPED_SCENARIOS.glob("*.yaml"))) or "none"
+
+
+ScenarioOpt = Annotated[str, typer.Option(
+    "--scenario", help=f"Scenario file, or the name of a shipped one: {_shipped()}.")]
+SetOpt = Annotated[list[str] | None, typer.Option(
+    "--set", help="Override a scenario key: key.path=value (the value is YAML), e.g. workload.batch_size=96.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")]
+PlotOpt = Annotated[Path | None, typer.Option("--plot", help="Write a PNG timeline here (.png).")]
+_COLUMNS_HELP = "\n\n".join(["Table columns:", *(f"{name}: {text}" for name, text in COLUMNS.items())])
 
 sim_app = typer.Typer(help="Simulate a scenario: one system, all systems, or the PD-ratio table.",
                       no_args_is_help=True)
-
-ScenarioOpt = Annotated[str, typer.Option("--scenario", help="Scenario file, or the name of a shipped one.")]
-SetOpt = Annotated[list[str] | None, typer.Option("--set", help="Override a scenario key: key.path=value.")]
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")]
-PlotOpt = Annotated[Path | None, typer.Option("--plot", help="Write PNG timelines here.")]
 
 
 def register(app: typer.Typer) -> None:
@@ -25,26 +68,49 @@ def register(app: typer.Typer) -> None:
 
 
 class _Bar:
-    """A Rich progress bar on stderr over simulated time, one task per system."""
+    """Progress on stderr over simulated time. In a terminal: one Rich bar per system, every system
+    listed from the start. Otherwise: one line as each system starts and ends."""
 
-    def __init__(self, duration_s: float, enabled: bool) -> None:
+    def __init__(self, duration_s: float, systems: list[str], enabled: bool | None = None) -> None:
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
         self.duration_s = duration_s
+        self.systems = systems
+        self.live = err.is_terminal if enabled is None else enabled
         self.progress = Progress(TextColumn("{task.description:>18}"), BarColumn(),
                                  TextColumn("{task.percentage:>3.0f}%"), TimeElapsedColumn(),
-                                 console=err, disable=not enabled, transient=True)
-        self.tasks: dict[str, int] = {}
+                                 console=err, disable=not self.live, transient=True)
+        self.tasks: dict[str, Any] = {}
+        self.started: dict[str, float] = {}
+        self.done: set[str] = set()
 
     def __enter__(self) -> _Bar:
         self.progress.__enter__()
+        if self.live:
+            for name in self.systems:
+                self.tasks[name] = self.progress.add_task(name, total=self.duration_s, start=False)
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.progress.__exit__(*exc)
 
+    def _line(self, text: str) -> None:
+        if not self.live:
+            err.print(text, highlight=False, soft_wrap=True)
+
     def __call__(self, name: str, t: float) -> None:
-        if name not in self.tasks:
-            self.tasks[name] = self.progress.add_task(name, total=self.duration_s)
+        if name not in self.started:
+            self.started[name] = time.perf_counter()
+            self._line(f"simulating {name} ({len(self.started)}/{len(self.systems)}) over "
+                       f"{self.duration_s:,.0f} simulated s ...")
+            if name not in self.tasks:
+                self.tasks[name] = self.progress.add_task(name, total=self.duration_s, start=False)
+            self.progress.start_task(self.tasks[name])
         self.progress.update(self.tasks[name], completed=min(t, self.duration_s))
+        if t >= self.duration_s and name not in self.done:
+            self.done.add(name)
+            self._line(f"{name} done in {time.perf_counter() - self.started[name]:.1f} s "
+                       f"({len(self.done)}/{len(self.systems)})")
 
 
 def _show(table: Table) -> None:
@@ -55,9 +121,11 @@ def _show(table: Table) -> None:
 
 
 def _table(title: str, rows: dict, ratios: bool) -> Table:
-    table = Table(title=title)
-    for col in ("system", "tok/s", "×roll", "×rlb+", "steps", "GPU·h", "reconf", "late", "forced", "step s",
-                "wall s"):
+    from rich.table import Table
+
+    table = Table(title=title, caption="the columns are explained by `pearlctl sim compare --help`",
+                  caption_justify="left")
+    for col in COLUMNS:
         table.add_column(col, justify="left" if col == "system" else "right")
     for name, r in rows.items():
         vs_roll, vs_rlb = r.get("vs_roll"), r.get("vs_rlboost-plus")
@@ -73,9 +141,23 @@ def _table(title: str, rows: dict, ratios: bool) -> Table:
     return table
 
 
-@sim_app.command("run")
+def _warn_idle(sc: Any, rows: dict[str, dict]) -> None:
+    """A system that completed no training step gets a word on stderr, with the likely cause."""
+    for name, row in rows.items():
+        if row["tokens_per_s"] > 0:
+            continue
+        cause = ("cluster.reserved_rollout_gpus is 0, so it has no rollout GPU of its own"
+                 if sc.cluster.reserved_rollout_gpus == 0 else
+                 f"no training step completed within duration_s ({sc.duration_s:,.0f} s)")
+        err.print(f"warning: {name}: 0 tokens/s: {cause}", highlight=False, soft_wrap=True)
+
+
+_POLICY_HELP = "System to simulate: " + "; ".join(f"{name} ({text})" for name, text in SYSTEM_HELP.items()) + "."
+
+
+@sim_app.command("run", epilog=_COLUMNS_HELP)
 @handle_errors
-def run(scenario: ScenarioOpt, policy: Annotated[str, typer.Option("--policy", help="System to simulate.")],
+def run(scenario: ScenarioOpt, policy: Annotated[str, typer.Option("--policy", help=_POLICY_HELP)],
         set_: SetOpt = None, json_: JsonOpt = False, plot: PlotOpt = None) -> None:
     """Simulate one system on a scenario."""
     from pearl.sim.experiments import run_system
@@ -87,11 +169,12 @@ def run(scenario: ScenarioOpt, policy: Annotated[str, typer.Option("--policy", h
     sc = load_scenario(scenario, set_ or [])
     if plot is not None:
         check_path(plot)
-    with _Bar(sc.duration_s, enabled=err.is_terminal) as bar:
+    with _Bar(sc.duration_s, [policy]) as bar:
         result = run_system(sc, policy, bar)
     if plot is not None:
         plot_run(result, plot)
     row = result.as_dict()
+    _warn_idle(system(policy).cluster(sc), {policy: row})
     if json_:
         emit_json(row)
         return
@@ -100,23 +183,27 @@ def run(scenario: ScenarioOpt, policy: Annotated[str, typer.Option("--policy", h
         err.print(f"wrote {plot}")
 
 
-@sim_app.command("compare")
+@sim_app.command("compare", epilog=_COLUMNS_HELP)
 @handle_errors
 def compare(scenario: ScenarioOpt, set_: SetOpt = None, json_: JsonOpt = False, plot: PlotOpt = None,
             ablations: Annotated[bool, typer.Option("--ablations", help="Also run the ablations.")] = False) -> None:
-    """Simulate every system on a scenario; ratios to roll and rlboost-plus."""
+    """Simulate every system on a scenario; ratios to roll and rlboost-plus. Progress goes to stderr
+    (a bar per system in a terminal, a line per system otherwise)."""
     from pearl.sim.experiments import compare as compare_systems
     from pearl.sim.plot import check_path, plot_comparison
     from pearl.sim.scenario import load_scenario
+    from pearl.sim.systems import ABLATIONS, SYSTEMS
 
     sc = load_scenario(scenario, set_ or [])
     if plot is not None:
         check_path(plot)
-    with _Bar(sc.duration_s, enabled=err.is_terminal) as bar:
+    names = [*SYSTEMS, *(ABLATIONS if ablations else ())]
+    with _Bar(sc.duration_s, names) as bar:
         comparison = compare_systems(sc, ablations=ablations, progress=bar)
     if plot is not None:
         plot_comparison({**comparison.systems, **comparison.ablations}, plot)
     data = comparison.as_dict()
+    _warn_idle(sc, {**data["systems"], **data.get("ablations", {})})
     bound = data["checks"].get("oracle_upper_bound")
     if json_:
         emit_json(data)
@@ -126,11 +213,11 @@ def compare(scenario: ScenarioOpt, set_: SetOpt = None, json_: JsonOpt = False, 
             _show(_table(f"{sc.name}: ablations", data["ablations"], ratios=True))
         if bound is not None:
             for line in _bound_lines(bound):
-                out.print(line)
+                out.print(line, markup=True, highlight=False)
         if plot is not None:
             err.print(f"wrote {plot}")
     if bound is not None and not bound["ok"]:  # the results are printed; the failed check is the exit status
-        raise PearlError(_bound_failure(bound))
+        raise fail(_bound_failure(bound), PearlError.exit_code, as_json=False)
 
 
 def _bound_lines(bound: dict) -> list[str]:
@@ -190,6 +277,8 @@ def ratio(
     from pearl.sim.ratio import budget_workers
     from pearl.sim.ratio import ratio as ratio_table
     from pearl.sim.scenario import load_scenario
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.table import Table
 
     sc = load_scenario(scenario, set_ or [])
     progress = Progress(TextColumn("{task.description:>18}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
 from typing import Annotated
 
 import typer
-from pearl.controlplane.core.catalog import default_catalog
-from pearl.controlplane.core.domain import ROLLOUT_ROLES, Role
 from pearl.controlplane.errors import BadInput
 
 from .common import handle_errors
@@ -44,6 +41,8 @@ def simworker(
 ) -> None:
     """Serve SGLang's HTTP API with generation timed by the performance model."""
     from pearl.agents.simworker import SimConfig, serve
+    from pearl.controlplane.core.catalog import default_catalog
+    from pearl.controlplane.core.domain import ROLLOUT_ROLES, Role
 
     try:
         the_role = Role(role)
@@ -70,6 +69,8 @@ def simworker(
                     model_path=model_path, weight_version=weight_version, enable_memory_saver=enable_memory_saver,
                     enable_pd_role_switch=enable_pd_role_switch, startup_s=startup_s, weight_load_s=weight_load_s,
                     role_switch_s=role_switch_s, capacity=capacity, run_dir=run_dir)
+    import asyncio
+
     asyncio.run(serve(cfg))
 
 

@@ -1,15 +1,18 @@
-"""`pearlctl status [--json] [--watch]`: the fleet at one state_version."""
+"""`pearlctl status [--json] [--watch]`: the fleet at one state_version.
+
+In a terminal the tables fit its width (columns a narrow terminal cannot hold are left out, never
+cut), and `--watch` keeps the summary and the plan line at the top, listing only the workers that fit
+its height. Piped, `--watch` prints one plain line per change.
+"""
 
 from __future__ import annotations
 
 import time
+from datetime import datetime
 from typing import Annotated, Any
 
 import typer
-from pearl.controlplane.store.db import make_engine, require_schema
-from pearl.controlplane.store.fleet_status import read_fleet_status
 from rich.console import Group
-from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
@@ -23,8 +26,48 @@ def register(app: typer.Typer) -> None:
     app.command("status")(status)
 
 
-def render(s: dict[str, Any]) -> Group:
-    """Rich tables: cluster and GPUs by zone and state, workers, latest plan, open leases."""
+def _counts(counts: dict[str, int]) -> str:
+    """{'ready': 10, 'blocked': 21} as `10 ready, 21 blocked`."""
+    return ", ".join(f"{n} {state}" for state, n in counts.items()) or "none"
+
+
+def plan_line(p: dict[str, Any] | None) -> str:
+    if not p:
+        return "latest plan: none"
+    return (f"latest plan: #{p['id']} {p['status']} (base_version {p['base_version']}, D_worker {p['d_worker']}, "
+            f"D_role {p['d_role']}; steps: {_counts(p['steps'])})")
+
+
+def summary_line(s: dict[str, Any]) -> str:
+    """The fleet in one line: what `--watch` prints when piped."""
+    return (f"state_version {s['state_version']}  GPUs {s['gpus']['total']}: {_counts(s['gpus']['by_state'])}  "
+            f"workers {len(s['workers'])}  {plan_line(s['plan'])}")
+
+
+# Workers columns in the order a narrow terminal drops them (the last first): id, node, role and
+# activity are always shown.
+_WORKER_COLUMNS = ("id", "node", "role", "activity", "gpu state", "weights", "lag", "zone", "slot", "devices",
+                   "sync")
+_WORKER_WIDTH = {"id": 4, "node": 10, "role": 10, "activity": 12, "gpu state": 11, "weights": 9, "lag": 4,
+                 "zone": 11, "slot": 6, "devices": 9, "sync": 12}
+
+
+def _worker_columns(width: int) -> list[str]:
+    cols, used = [], 4
+    for col in _WORKER_COLUMNS:
+        if cols[:4] == list(_WORKER_COLUMNS[:4]) and used + _WORKER_WIDTH[col] > width:
+            break
+        cols.append(col)
+        used += _WORKER_WIDTH[col] + 3
+    return cols
+
+
+def render(s: dict[str, Any], width: int | None = None, max_workers: int | None = None) -> Group:
+    """Rich tables: cluster and GPUs by zone and state, the latest plan, workers, open leases.
+
+    `width`: the terminal's columns (workers columns that do not fit are left out); `max_workers`:
+    list at most this many workers (the rest are counted)."""
+    width = width or out.width
     c = s["cluster"]
     head = Text(f"state_version {s['state_version']}   model {c['model'] or '-'}   gpu {c['gpu'] or '-'}   "
                 f"tp {c['tp'] or '-'}   GPUs {s['gpus']['total']}", style="bold")
@@ -33,19 +76,24 @@ def render(s: dict[str, Any]) -> Group:
     for zone, counts in s["gpus"]["by_zone_state"].items():
         gpus.add_row(zone, *(Text(str(counts.get(st, 0)), style=_STATE_STYLE.get(st, "")) for st in states),
                      str(s["gpus"]["by_zone"][zone]))
-    workers = Table("id", "node", "slot", "zone", "role", "activity", "devices", "gpu state", "weights", "lag",
-                    "sync", title=f"Workers (trainer at weights version {s.get('trainer_version', 0)})")
-    for w in s["workers"]:
+    cols = _worker_columns(width)
+    shown = s["workers"] if max_workers is None else s["workers"][:max(0, max_workers)]
+    hidden = len(s["workers"]) - len(shown)
+    workers = Table(title=f"Workers (trainer at weights version {s.get('trainer_version', 0)})"
+                    + (f", first {len(shown)} of {len(s['workers'])}" if hidden else ""))
+    for col in cols:
+        workers.add_column(col, no_wrap=True)
+    for w in shown:
         gpu_states = list(dict.fromkeys(w["gpu_states"]))  # one word when they agree, as usual
-        workers.add_row(str(w["id"]), w["node"], str(w["slot"]), w["zone"], w["role"], w["activity"],
-                        ",".join(map(str, w["devices"])),
-                        Text("/".join(gpu_states), style=_STATE_STYLE.get(gpu_states[0], "") if gpu_states else ""),
-                        str(w["weights_version"]), _lag(w.get("weights_lag", 0)), _sync(w.get("sync")))
-    parts: list[Any] = [head, gpus, workers]
+        cells = {"id": str(w["id"]), "node": w["node"], "slot": str(w["slot"]), "zone": w["zone"], "role": w["role"],
+                 "activity": w["activity"], "devices": ",".join(map(str, w["devices"])),
+                 "gpu state": Text("/".join(gpu_states),
+                                   style=_STATE_STYLE.get(gpu_states[0], "") if gpu_states else ""),
+                 "weights": str(w["weights_version"]), "lag": _lag(w.get("weights_lag", 0)),
+                 "sync": _sync(w.get("sync"))}
+        workers.add_row(*(cells[col] for col in cols))
+    parts: list[Any] = [head, Text(plan_line(s["plan"])), gpus, workers]
     p = s["plan"]
-    parts.append(Text(f"latest plan: #{p['id']} {p['status']} (base_version {p['base_version']}, "
-                      f"D_worker {p['d_worker']}, D_role {p['d_role']}, steps {p['steps']})") if p
-                 else Text("latest plan: none"))
     if p and p.get("running"):
         running = Table("step", "worker", "node", "agent", "attempt", "lease until",
                         title=f"Plan #{p['id']} in progress")
@@ -81,15 +129,55 @@ def _sync(sync: dict[str, Any] | None) -> Text:
     return Text(f"v{sync['version']} {sync['state']}", style=style)
 
 
+def _watch(engine: Any, interval: float) -> None:
+    from pearl.controlplane.store.fleet_status import read_fleet_status
+
+    if not out.is_terminal:  # piped: one plain line whenever something changed
+        last = None
+        try:
+            while True:
+                line = summary_line(read_fleet_status(engine))
+                if line != last:
+                    out.print(f"{datetime.now():%H:%M:%S} {line}", highlight=False, soft_wrap=True)
+                    out.file.flush()
+                    last = line
+                time.sleep(interval)
+        except KeyboardInterrupt:
+            return
+    from rich.live import Live
+
+    def frame() -> Group:
+        # the summary, plan line and GPU table stay on screen; the workers that fit below them are listed
+        s = read_fleet_status(engine)
+        fixed = 9 + len(s["gpus"]["by_zone_state"]) + (len(s["leases"]) + 4 if s["leases"] else 0)
+        return render(s, width=out.width, max_workers=max(1, out.height - fixed - 6))
+
+    with Live(frame(), console=out, auto_refresh=False, vertical_overflow="crop") as live:
+        try:
+            while True:
+                time.sleep(interval)
+                live.update(frame(), refresh=True)
+        except KeyboardInterrupt:
+            pass
+
+
 @handle_errors
 def status(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
-    watch: Annotated[bool, typer.Option("--watch", help="Refresh until interrupted.")] = False,
+    watch: Annotated[bool, typer.Option("--watch", help="Refresh until interrupted (piped: one line per "
+                                                        "change).")] = False,
     interval: Annotated[float, typer.Option("--interval", min=0.1, help="Seconds between refreshes.")] = 2.0,
 ) -> None:
-    """Show GPUs by zone and state, worker slots, the latest plan and open leases."""
+    """Show GPUs by zone and state, worker slots, the latest plan and open leases.
+
+    GPU states: free (idle), bound (held by an active worker), borrowed (a training GPU lent to
+    rollout), training (running the optimizer), draining (finishing its requests before release),
+    unavailable (a preemptible GPU not granted), revoked (taken back by the provider), lost."""
     if as_json and watch:
         raise typer.BadParameter("--json and --watch do not combine", param_hint="--watch")
+    from pearl.controlplane.store.db import make_engine, require_schema
+    from pearl.controlplane.store.fleet_status import read_fleet_status
+
     engine = make_engine()
     try:
         require_schema(engine)
@@ -98,12 +186,6 @@ def status(
         elif not watch:
             out.print(render(read_fleet_status(engine)))
         else:
-            with Live(render(read_fleet_status(engine)), console=out, auto_refresh=False) as live:
-                try:
-                    while True:
-                        time.sleep(interval)
-                        live.update(render(read_fleet_status(engine)), refresh=True)
-                except KeyboardInterrupt:
-                    pass
+            _watch(engine, interval)
     finally:
         engine.dispose()

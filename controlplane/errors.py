@@ -8,8 +8,9 @@ class PearlError(Exception):
 
     exit_code = 1
 
-    def __init__(self, message: str | None = None) -> None:
+    def __init__(self, message: str | None = None, *, field: str | None = None) -> None:
         super().__init__(message or (self.__doc__ or "").strip())
+        self.field = field  # the input field or option at fault, when one is (`--json` errors name it)
 
 
 class BadInput(PearlError):

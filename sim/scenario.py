@@ -12,12 +12,17 @@ from typing import Annotated, Any
 
 import yaml
 from pearl.controlplane.core.catalog import default_catalog
+from pearl.controlplane.core.validation import format_validation
 from pearl.controlplane.core.workload import Workload
 from pearl.controlplane.errors import BadInput
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 SHIPPED_DIR = Path(__file__).parent  # scenarios/, traces/, inventories/ shipped with pearl
 GPUS_PER_NODE = 8  # the simulated cluster's nodes; a worker's tp GPUs are on one node
+# Sanity limits: far above the shipped scenarios, low enough that a typo is refused at once instead of
+# simulating for hours or exhausting memory.
+MAX_SIM_GPUS = 4096  # per pool: training, reserved rollout, preemptible
+MAX_DURATION_S = 7 * 24 * 3600.0  # a week of simulated time
 
 
 class _Strict(BaseModel):
@@ -38,13 +43,13 @@ class Trace(_Strict):
 
 class Preemptible(_Strict):
     trace: Path  # relative to the scenario file
-    max_gpus: int = Field(ge=0)
+    max_gpus: int = Field(ge=0, le=MAX_SIM_GPUS)
     notice_s: float = Field(ge=0)
 
 
 class Cluster(_Strict):
-    training_gpus: int = Field(ge=0)
-    reserved_rollout_gpus: int = Field(ge=0)
+    training_gpus: int = Field(ge=0, le=MAX_SIM_GPUS)
+    reserved_rollout_gpus: int = Field(ge=0, le=MAX_SIM_GPUS)
     preemptible: Preemptible | None = None
 
 
@@ -71,8 +76,8 @@ class Scenario(_Strict):
     workload: Workload
     training: Training
     reconfig: Reconfig
-    duration_s: float = Field(gt=0)
-    seed: int = 0
+    duration_s: float = Field(gt=0, le=MAX_DURATION_S)
+    seed: int = Field(default=0, ge=0, lt=2**63)  # numpy seeds are non-negative
     # resolved on load, not part of the file
     source: Path | None = Field(default=None, exclude=True)
     trace_data: Trace | None = Field(default=None, exclude=True)
@@ -108,11 +113,7 @@ class Scenario(_Strict):
 
 
 def _format_error(exc: ValidationError, prefix: str = "") -> str:
-    lines = []
-    for err in exc.errors():
-        loc = ".".join(str(p) for p in err["loc"])
-        lines.append(f"{prefix}{loc}: {err['msg']}" if loc else f"{prefix}{err['msg']}")
-    return "; ".join(lines)
+    return format_validation(exc, prefix)[0]
 
 
 def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
@@ -140,21 +141,24 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
     return raw
 
 
+_TRACE = "cluster.preemptible.trace"
+
+
 def load_trace(path: Path) -> Trace:
     try:
-        raw = json.loads(Path(path).read_text())
+        raw = json.loads(Path(path).read_text(encoding="utf-8"))
     except OSError as exc:
-        raise BadInput(f"cluster.preemptible.trace: cannot read {path}: {exc.strerror}") from None
-    except json.JSONDecodeError as exc:
-        raise BadInput(f"cluster.preemptible.trace: {path} is not JSON: {exc}") from None
+        raise BadInput(f"cluster.preemptible.trace: cannot read {path}: {exc.strerror}", field=_TRACE) from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise BadInput(f"cluster.preemptible.trace: {path} is not JSON: {exc}", field=_TRACE) from None
     if not isinstance(raw, dict) or not isinstance(raw.get("metadata"), dict):
-        raise BadInput(f"cluster.preemptible.trace: {path}: missing metadata")
+        raise BadInput(f"cluster.preemptible.trace: {path}: missing metadata", field=_TRACE)
     meta = raw["metadata"]
     try:
         return Trace(gap_seconds=meta.get("gap_seconds"), data=raw.get("data"), source=str(meta.get("source", "")))
     except ValidationError as exc:
         raise BadInput(_format_error(exc, f"cluster.preemptible.trace ({path}): ").replace("gap_seconds",
-                       "metadata.gap_seconds")) from None
+                       "metadata.gap_seconds"), field=_TRACE) from None
 
 
 def parse_scenario(raw: Any, source: Path | None = None, overrides: list[str] | None = None) -> Scenario:
@@ -164,7 +168,8 @@ def parse_scenario(raw: Any, source: Path | None = None, overrides: list[str] | 
     try:
         scenario = Scenario.model_validate(raw)
     except ValidationError as exc:
-        raise BadInput(_format_error(exc)) from None
+        message, field = format_validation(exc)
+        raise BadInput(message, field=field) from None
     catalog = default_catalog()
     catalog.model(scenario.model)
     catalog.gpu(scenario.gpu)
@@ -183,13 +188,18 @@ def load_scenario(path: str | Path, overrides: list[str] | None = None) -> Scena
     if not p.exists() and (SHIPPED_DIR / "scenarios" / f"{p.name}.yaml").exists() and p.suffix == "":
         p = SHIPPED_DIR / "scenarios" / f"{p.name}.yaml"
     try:
-        text = p.read_text()
+        text = p.read_text(encoding="utf-8")
     except OSError as exc:
-        raise BadInput(f"--scenario: cannot read {path}: {exc.strerror}") from None
+        shipped = ", ".join(s.stem for s in shipped_scenarios())
+        raise BadInput(f"--scenario: cannot read {path}: {exc.strerror}; give a scenario file, or one of the "
+                       f"shipped scenarios: {shipped}", field="--scenario") from None
+    except UnicodeDecodeError as exc:
+        raise BadInput(f"--scenario: {path} is not a YAML text file (not UTF-8: {exc.reason} at byte {exc.start})",
+                       field="--scenario") from None
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise BadInput(f"--scenario: {path} is not valid YAML: {exc}") from None
+        raise BadInput(f"--scenario: {path} is not valid YAML: {exc}", field="--scenario") from None
     return parse_scenario(raw, p.resolve(), overrides)
 
 

@@ -207,8 +207,10 @@ def pearlctl_env(tmp_path: Path) -> dict[str, str]:
 
 
 @pytest.fixture
-def pearlctl(database_url: str, pearlctl_env: dict[str, str]) -> Callable[..., subprocess.CompletedProcess[str]]:
-    """Run `pearlctl ARGS...` in a subprocess against the test's fresh database."""
+def pearlctl_process(database_url: str,
+                     pearlctl_env: dict[str, str]) -> Callable[..., subprocess.CompletedProcess[str]]:
+    """Run `pearlctl ARGS...` in a subprocess (the console script) against the test's fresh database:
+    for what only a real process shows (the installed entry point, its environment, its exit)."""
     from plan_support import PEARLCTL, REPO
 
     env = {**pearlctl_env, "PEARL_DATABASE_URL": database_url}
@@ -217,6 +219,40 @@ def pearlctl(database_url: str, pearlctl_env: dict[str, str]) -> Callable[..., s
             timeout: float = 60) -> subprocess.CompletedProcess[str]:
         return subprocess.run([str(PEARLCTL), *args], env={**env, **(extra_env or {})}, cwd=REPO,
                               capture_output=True, text=True, timeout=timeout)
+
+    return run
+
+
+@pytest.fixture
+def pearlctl(database_url: str, pearlctl_env: dict[str, str],
+             monkeypatch: pytest.MonkeyPatch) -> Callable[..., subprocess.CompletedProcess[str]]:
+    """Run `pearlctl ARGS...` in this process (Typer's CliRunner) against the test's fresh database:
+    the same commands, exit codes, stdout and stderr as the console script, without a Python start-up
+    per call. `timeout` is accepted for the subprocess fixture's signature and not enforced."""
+    from pearl.cli import common
+    from pearl.cli.app import app
+    from plan_support import REPO
+    from typer.testing import CliRunner
+
+    env = {**pearlctl_env, "PEARL_DATABASE_URL": database_url}
+    monkeypatch.chdir(REPO)
+
+    def run(*args: str, extra_env: dict[str, str] | None = None,
+            timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        full = {**env, **(extra_env or {})}
+        # the run's environment is exactly `full`, as for a subprocess (CliRunner only adds to os.environ)
+        cleared = {k: None for k in os.environ if k not in full}
+        width = full.get("COLUMNS")
+        saved = common.out._width, common.err._width
+        if width and width.isdigit():  # the consoles read COLUMNS once, when created
+            common.out._width = common.err._width = int(width)
+        try:
+            result = CliRunner().invoke(app, list(args), env={**cleared, **full})
+        finally:
+            common.out._width, common.err._width = saved
+        if result.exception is not None and not isinstance(result.exception, SystemExit):
+            raise result.exception
+        return subprocess.CompletedProcess(["pearlctl", *args], result.exit_code, result.stdout, result.stderr)
 
     return run
 

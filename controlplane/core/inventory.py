@@ -14,9 +14,17 @@ from typing import Any
 import yaml
 from pearl.controlplane.core.catalog import default_catalog
 from pearl.controlplane.core.domain import NodeZone
+from pearl.controlplane.core.validation import format_validation
 from pearl.controlplane.core.workload import Workload
 from pearl.controlplane.errors import BadInput
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+# Sane limits: far above any real cluster, low enough that a typo (`gpus: 1000000000`) is refused at
+# once instead of filling memory.
+MAX_GPUS_PER_NODE = 1024
+MAX_NODES = 10_000
+MAX_TOTAL_GPUS = 100_000
+MAX_TP = 64
 
 
 class _Strict(BaseModel):
@@ -26,15 +34,15 @@ class _Strict(BaseModel):
 class InventoryNode(_Strict):
     name: str = Field(min_length=1)  # unique in the inventory
     zone: NodeZone
-    gpus: int = Field(gt=0)  # a multiple of the inventory's tp
+    gpus: int = Field(gt=0, le=MAX_GPUS_PER_NODE)  # a multiple of the inventory's tp
     address: str = Field(min_length=1)  # need not be unique: several nodes may share a host
 
 
 class Inventory(_Strict):
     model: str  # catalog name
     gpu: str  # catalog name
-    tp: int = Field(gt=0)  # GPUs per worker
-    nodes: tuple[InventoryNode, ...] = Field(min_length=1)
+    tp: int = Field(gt=0, le=MAX_TP)  # GPUs per worker
+    nodes: tuple[InventoryNode, ...] = Field(min_length=1, max_length=MAX_NODES)
     workload: Workload | None = None  # the prior until telemetry arrives
     # Simulated servers running this many times faster than the wall clock (`pearlctl demo`): every
     # duration pearl measures is multiplied by it before the policy sees it, so that measured costs
@@ -55,12 +63,6 @@ class Inventory(_Strict):
         return hashlib.sha256(blob.encode()).hexdigest()
 
 
-def _format(exc: ValidationError) -> str:
-    parts = []
-    for err in exc.errors():
-        loc = ".".join(str(p) for p in err["loc"])
-        parts.append(f"{loc}: {err['msg']}" if loc else err["msg"])
-    return "; ".join(parts)
 
 
 def parse_inventory(raw: Any, source: str = "inventory") -> Inventory:
@@ -70,35 +72,42 @@ def parse_inventory(raw: Any, source: str = "inventory") -> Inventory:
     try:
         inventory = Inventory.model_validate(raw)
     except ValidationError as exc:
-        raise BadInput(f"{source}: {_format(exc)}") from None
+        message, field = format_validation(exc)
+        raise BadInput(f"{source}: {message}", field=field) from None
     seen: dict[str, int] = {}
     for i, node in enumerate(inventory.nodes):
         if node.name in seen:
             raise BadInput(
-                f"{source}: nodes.{i}.name: duplicate node name {node.name!r} (also nodes.{seen[node.name]})"
-            )
+                f"{source}: nodes.{i}.name: duplicate node name {node.name!r} (also nodes.{seen[node.name]})",
+                field=f"nodes.{i}.name")
         seen[node.name] = i
         if node.gpus % inventory.tp:
             raise BadInput(
-                f"{source}: nodes.{i}.gpus: {node.gpus} GPUs on {node.name!r} is not a multiple of tp ({inventory.tp})"
-            )
+                f"{source}: nodes.{i}.gpus: {node.gpus} GPUs on {node.name!r} is not a multiple of tp ({inventory.tp})",
+                field=f"nodes.{i}.gpus")
+    if inventory.total_gpus > MAX_TOTAL_GPUS:
+        raise BadInput(f"{source}: nodes: {inventory.total_gpus:,} GPUs in all, above the sanity limit of "
+                       f"{MAX_TOTAL_GPUS:,}", field="nodes")
     catalog = default_catalog()
-    try:
-        catalog.model(inventory.model)
-        catalog.gpu(inventory.gpu)
-    except BadInput as exc:
-        raise BadInput(f"{source}: {exc}") from None
+    for key in ("model", "gpu"):
+        try:
+            getattr(catalog, key)(getattr(inventory, key))
+        except BadInput as exc:
+            raise BadInput(f"{source}: {exc}", field=key) from None
     return inventory
 
 
 def load_inventory(path: str | Path) -> Inventory:
     """Read and validate an inventory YAML file."""
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
-        raise BadInput(f"{path}: cannot read the inventory: {exc.strerror}") from None
+        raise BadInput(f"{path}: cannot read the inventory: {exc.strerror}", field="FILE") from None
+    except UnicodeDecodeError as exc:
+        raise BadInput(f"{path}: not a YAML text file (not UTF-8: {exc.reason} at byte {exc.start})",
+                       field="FILE") from None
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise BadInput(f"{path}: not valid YAML: {exc}") from None
+        raise BadInput(f"{path}: not valid YAML: {exc}", field="FILE") from None
     return parse_inventory(raw, str(path))

@@ -74,8 +74,8 @@ class IterationRecord(_Strict):
 
 
 class StepTelemetry(_Strict):
-    step: int = Field(ge=0)
-    batch_size: int = Field(gt=0)
+    step: int = Field(ge=0, lt=2**63)  # a PostgreSQL bigint
+    batch_size: int = Field(gt=0, le=65_536)  # the workload's sanity limit
     trajectories: list[TrajectoryRecord] = Field(min_length=1)
     iterations: list[IterationRecord] = Field(default_factory=list)
     decode_fraction: float | None = Field(default=None, gt=0, le=1)
@@ -98,17 +98,21 @@ def parse_telemetry(raw: Any, source: str = "telemetry") -> StepTelemetry:
     try:
         return StepTelemetry.model_validate(raw)
     except ValidationError as exc:
-        msgs = [f"{_field_path(e['loc']) or source}: {e['msg']}" for e in exc.errors()]
-        raise BadInput(f"{source}: " + "; ".join(msgs)) from None
+        errors = exc.errors()
+        msgs = [f"{_field_path(e['loc']) or source}: {e['msg'].removeprefix('Value error, ')}" for e in errors]
+        raise BadInput(f"{source}: " + "; ".join(msgs), field=_field_path(errors[0]["loc"]) or None) from None
 
 
 def load_telemetry(path: str | Path) -> StepTelemetry:
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
-        raise BadInput(f"{path}: cannot read: {exc.strerror}") from None
+        raise BadInput(f"{path}: cannot read: {exc.strerror}", field="FILE") from None
+    except UnicodeDecodeError as exc:
+        raise BadInput(f"{path}: not a JSON text file (not UTF-8: {exc.reason} at byte {exc.start})",
+                       field="FILE") from None
     try:
         raw = json.loads(text, parse_constant=lambda c: float(c))
     except json.JSONDecodeError as exc:
-        raise BadInput(f"{path}: not JSON: {exc}") from None
+        raise BadInput(f"{path}: not JSON: {exc}", field="FILE") from None
     return parse_telemetry(raw, str(path))

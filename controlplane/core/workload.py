@@ -14,6 +14,10 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 Z99 = NormalDist().inv_cdf(0.99)
+# Sanity limits: far above real RL batches and contexts, low enough that a typo is refused at once
+# instead of exhausting memory.
+MAX_BATCH_SIZE = 65_536
+MAX_CONTEXT_TOKENS = 1_000_000_000  # a cap only: "no truncation" is a large value
 
 
 class _Dist(BaseModel):
@@ -122,9 +126,10 @@ class Workload(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     kind: str = "agentic"  # a free label
-    batch_size: int = Field(gt=0)  # trajectories per rollout step (prompts x group)
+    batch_size: int = Field(gt=0, le=MAX_BATCH_SIZE)  # trajectories per rollout step (prompts x group)
     group_size: int = Field(default=1, gt=0)  # trajectories sharing one prompt (GRPO group)
-    max_context_tokens: int = Field(gt=0)  # a trajectory whose context reaches it ends there (truncated)
+    # a trajectory whose context reaches it ends there (truncated)
+    max_context_tokens: int = Field(gt=0, le=MAX_CONTEXT_TOKENS)
     turns: Distribution
     prompt_tokens: Distribution
     obs_tokens_per_turn: Distribution

@@ -20,7 +20,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import psycopg
-from pearl.controlplane.errors import PearlError
+from pearl.controlplane.errors import BadInput, PearlError
 from pearl.controlplane.services.settings import (
     Settings,
     check_broker_url,
@@ -78,26 +78,44 @@ def _socket_url(socket_dir: Path | str, database: str) -> str:
     return f"postgresql+psycopg://postgres@/{database}?host={socket_dir}"
 
 
-def start_postgres(home: Path) -> str:
-    """Start (or reuse) the embedded server and return the URL of its `pearl` database."""
-    home.mkdir(parents=True, exist_ok=True)
-    pgserver = _pgserver()
-    pgdata = postgres_dir(home)
-    if _postmaster(home) is None:
-        # pgserver caches one handle per data directory for the life of the process and returns it
-        # without checking the server; after a stop in this process, a fresh handle starts it again.
-        pgserver.PostgresServer._instances.pop(pgdata.resolve(), None)
+def prepare_home(home: Path) -> Path:
+    """PEARL_HOME, created if needed; BadInput naming PEARL_HOME when it cannot be used."""
     try:
-        server = pgserver.get_server(pgdata, cleanup_mode=None)
-    except Exception as exc:  # pgserver raises bare subprocess and assertion errors
-        raise EmbeddedServiceError(f"cannot start the embedded PostgreSQL in {pgdata}: {exc}") from None
-    socket_dir = server.get_postmaster_info().socket_dir
-    with psycopg.connect(host=str(socket_dir), dbname="postgres", user="postgres", autocommit=True) as conn:
-        exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (DATABASE,)).fetchone()
-        if not exists:
-            # two invocations may race to create it; the loser finds it there
-            with contextlib.suppress(psycopg.errors.DuplicateDatabase, psycopg.errors.UniqueViolation):
-                conn.execute(f'CREATE DATABASE "{DATABASE}"')
+        home.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise BadInput(f"PEARL_HOME: cannot create {home}: {exc.strerror}; set PEARL_HOME to a writable "
+                       "directory (or PEARL_DATABASE_URL / PEARL_BROKER_URL to servers of your own)",
+                       field="PEARL_HOME") from None
+    if not home.is_dir() or not os.access(home, os.W_OK | os.X_OK):
+        raise BadInput(f"PEARL_HOME: {home} is not a writable directory; set PEARL_HOME to one (or "
+                       "PEARL_DATABASE_URL / PEARL_BROKER_URL to servers of your own)", field="PEARL_HOME")
+    return home
+
+
+def start_postgres(home: Path) -> str:
+    """Start (or reuse) the embedded server and return the URL of its `pearl` database.
+
+    Safe under concurrency: a file lock under PEARL_HOME serialises starts (initdb, the postmaster,
+    the database), so a second invocation waits and then reuses the running server."""
+    prepare_home(home)
+    pgdata = postgres_dir(home)
+    with _locked(home / "pg.start.lock"):
+        pgserver = _pgserver()
+        if _postmaster(home) is None:
+            # pgserver caches one handle per data directory for the life of the process and returns it
+            # without checking the server; after a stop in this process, a fresh handle starts it again.
+            pgserver.PostgresServer._instances.pop(pgdata.resolve(), None)
+        try:
+            server = pgserver.get_server(pgdata, cleanup_mode=None)
+            socket_dir = server.get_postmaster_info().socket_dir
+        except Exception as exc:  # pgserver raises bare subprocess and assertion errors
+            raise EmbeddedServiceError(f"cannot start the embedded PostgreSQL in {pgdata}: {exc}") from None
+        with psycopg.connect(host=str(socket_dir), dbname="postgres", user="postgres", autocommit=True) as conn:
+            exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (DATABASE,)).fetchone()
+            if not exists:
+                # another process without the lock (an older pearl) may race to create it
+                with contextlib.suppress(psycopg.errors.DuplicateDatabase, psycopg.errors.UniqueViolation):
+                    conn.execute(f'CREATE DATABASE "{DATABASE}"')
     return _socket_url(socket_dir, DATABASE)
 
 
@@ -107,10 +125,13 @@ def stop_postgres(home: Path) -> bool:
         return False
     pgserver = _pgserver()
     user = "pgserver" if os.geteuid() == 0 else None  # pgserver runs the server as this user under root
-    try:
-        pgserver.pg_ctl(["-w", "-m", "fast", "stop"], pgdata=postgres_dir(home).resolve(), user=user, timeout=30)
-    except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
-        raise EmbeddedServiceError(f"cannot stop the embedded PostgreSQL in {postgres_dir(home)}: {exc}") from None
+    with _locked(home / "pg.start.lock"):
+        if _postmaster(home) is None:
+            return False
+        try:
+            pgserver.pg_ctl(["-w", "-m", "fast", "stop"], pgdata=postgres_dir(home).resolve(), user=user, timeout=30)
+        except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
+            raise EmbeddedServiceError(f"cannot stop the embedded PostgreSQL in {postgres_dir(home)}: {exc}") from None
     return True
 
 
@@ -205,7 +226,7 @@ def _broker_url(sock: Path) -> str:
 
 def start_redis(home: Path) -> str:
     """Start (or reuse) the embedded Redis: a daemon on a unix socket, no persistence."""
-    d = redis_dir(home)
+    d = redis_dir(prepare_home(home))
     sock = d / "redis.sock"
     with _locked(d / "start.lock"):
         if _redis_pid(home) is not None and _redis_answers(sock):

@@ -5,14 +5,13 @@ database errors to pearl's errors (by SQLSTATE and constraint name, once, here).
 from __future__ import annotations
 
 import contextlib
+import functools
+import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pearl.migrations
-from alembic import command
-from alembic.config import Config
-from alembic.runtime.migration import MigrationContext
-from alembic.script import ScriptDirectory
 from pearl.controlplane.errors import BadInput, ClaimLost, DatabaseUnavailable, IllegalTransition, PearlError
 from pearl.controlplane.services.embedded import database_url
 from pearl.controlplane.services.settings import redact_url
@@ -20,6 +19,9 @@ from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
+
+if TYPE_CHECKING:  # Alembic is imported when a migration runs, not by every command that checks the schema
+    from alembic.config import Config
 
 MIGRATIONS_DIR = Path(pearl.migrations.__file__).resolve().parent
 # SQLSTATEs raised by the triggers of migration 0001 (class PX: pearl)
@@ -148,6 +150,8 @@ def session_factory(engine: Engine) -> sessionmaker[Session]:
 
 def alembic_config(url: str) -> Config:
     """Alembic's configuration for `url`, independent of the working directory."""
+    from alembic.config import Config
+
     cfg = Config()
     cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
     cfg.attributes["database_url"] = url
@@ -155,20 +159,52 @@ def alembic_config(url: str) -> Config:
 
 
 def head_revision() -> str:
+    from alembic.script import ScriptDirectory
+
     return ScriptDirectory.from_config(alembic_config("postgresql+psycopg://")).get_current_head() or ""
 
 
+_REVISION = re.compile(r"^revision(?:: *str)? *= *['\"]([^'\"]+)['\"]", re.MULTILINE)
+_DOWN_REVISION = re.compile(r"^down_revision(?:: *[\w |]+)? *= *(?:['\"]([^'\"]+)['\"]|None)", re.MULTILINE)
+
+
+@functools.cache
+def head_revision_fast() -> str:
+    """The head revision read from the migration files without importing Alembic (a linear history);
+    Alembic's answer when the files do not form one chain."""
+    revisions, parents = set(), set()
+    for path in (MIGRATIONS_DIR / "versions").glob("*.py"):
+        source = path.read_text(encoding="utf-8")
+        rev, down = _REVISION.search(source), _DOWN_REVISION.search(source)
+        if rev is None or down is None:
+            continue
+        revisions.add(rev.group(1))
+        if down.group(1):
+            parents.add(down.group(1))
+    heads = revisions - parents
+    return next(iter(heads)) if len(heads) == 1 else head_revision()
+
+
 def current_revision(engine: Engine) -> str | None:
+    """The schema revision stored in the database (None before `pearlctl init`), read with one query."""
     try:
         with engine.connect() as conn:
-            return MigrationContext.configure(conn).get_current_revision()
+            if conn.execute(text("SELECT to_regclass('alembic_version')")).scalar() is None:
+                return None
+            rows = conn.execute(text("SELECT version_num FROM alembic_version")).scalars().all()
     except DBAPIError as exc:
         raise _unavailable(engine, exc) from None
+    if len(rows) > 1:
+        raise PearlError(f"{redact_url(engine.url)} has several schema heads ({', '.join(sorted(rows))}); "
+                         "run `alembic heads`")
+    return rows[0] if rows else None
 
 
 def upgrade(engine: Engine, revision: str = "head") -> str | None:
     """Create or upgrade the schema (concurrent callers serialise on env.py's advisory lock)."""
     check_connection(engine)
+    from alembic import command
+
     command.upgrade(alembic_config(engine.url.render_as_string(hide_password=False)), revision)
     return current_revision(engine)
 
@@ -178,7 +214,7 @@ def require_schema(engine: Engine) -> None:
     current = current_revision(engine)
     if current is None:
         raise SchemaMissing(f"{redact_url(engine.url)} has no pearl schema: run `pearlctl init`")
-    head = head_revision()
+    head = head_revision_fast()
     if current != head:
         raise SchemaMissing(f"{redact_url(engine.url)} is at schema {current}, not {head}: run `pearlctl init`")
 

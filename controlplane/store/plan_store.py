@@ -271,8 +271,9 @@ def apply_in(session: Session, plan_id: int | None) -> AppliedPlan | StalePlan:
         return StalePlan(message)
     other = session.scalar(select(PlanRow.id).where(PlanRow.status == PlanStatus.APPLYING))
     if other is not None:
-        raise PlanNotApplicable(f"plan {other} is still applying; wait for it (`pearlctl apply --wait` is for a "
-                                f"plan you apply; `pearlctl status` shows its progress) before applying plan {plan.id}")
+        raise PlanNotApplicable(f"plan {other} is still applying, so plan {plan.id} cannot: watch plan {other} "
+                                f"finish with `pearlctl status --watch` (or give it up with `pearlctl apply --abort "
+                                f"{other}`), then run `pearlctl plan` again (plan {plan.id} will be stale by then)")
     plan.status, plan.applied_at = PlanStatus.APPLYING, func.now()
     session.flush()
     free = session.scalars(select(StepRow.id).where(
@@ -566,6 +567,12 @@ def step_counts(summary: Mapping[str, Any]) -> dict[str, int]:
 
 def _node_names(session: Session) -> dict[int, str]:
     return {node_id: name for node_id, name in session.execute(select(Node.id, Node.name))}
+
+
+def applying_plan(engine: Engine) -> int | None:
+    """The id of the plan now applying, if one is (there is at most one)."""
+    with transaction(engine) as session:
+        return session.scalar(select(PlanRow.id).where(PlanRow.status == PlanStatus.APPLYING))
 
 
 def plan_summary(session: Session, plan_id: int) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""`pearlctl init`, `cluster import` and `status` in a subprocess against a real database."""
+"""`pearlctl init`, `cluster import` and `status` in process (the `pearlctl` fixture) against a real
+database; `status --watch` and the console script in a process of their own."""
 
 from __future__ import annotations
 
@@ -157,11 +158,12 @@ def test_bad_inventory_is_refused_naming_the_field(database_url: str, pearlctl_e
     assert counts(database_url) == (0, 0, 0)  # nothing written
 
 
-def test_bad_inventory_exit_code_through_the_console_script(pearlctl, database_url: str, tmp_path: Path) -> None:
+def test_bad_inventory_exit_code_through_the_console_script(pearlctl_process, database_url: str,
+                                                            tmp_path: Path) -> None:
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump({"model": "qwen3-8b", "gpu": "h800", "tp": 2,
                                     "nodes": [{"name": "t", "zone": "training", "gpus": 3, "address": "x"}]}))
-    result = pearlctl("cluster", "import", str(path))
+    result = pearlctl_process("cluster", "import", str(path))
     assert result.returncode == 2
     assert "nodes.0.gpus: 3 GPUs on 't' is not a multiple of tp (2)" in result.stderr
     assert counts(database_url) == (0, 0, 0)
@@ -216,4 +218,8 @@ def test_status_tables_and_watch(pearlctl, database_url: str, pearlctl_env: dict
                 watch.kill()
                 watch.communicate()
     assert watch.returncode == 0, errors
-    assert "lost" in out and "state_version 49" in out
+    # piped, it prints one plain line per change (a terminal gets the refreshing tables)
+    lines = out.splitlines()
+    assert len(lines) == 2 and "┃" not in out, out
+    assert "state_version 48" in lines[0] and "20 free, 12 unavailable" in lines[0]
+    assert "state_version 49" in lines[1] and "1 lost" in lines[1] and "latest plan: none" in lines[1]

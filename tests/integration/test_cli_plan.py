@@ -1,5 +1,6 @@
-"""`pearlctl plan` and `pearlctl apply` in a subprocess against a real database: the paper cluster with a
-workload block, --explain, --json, --dry-run, stale plans, and --wait while the test plays the agents."""
+"""`pearlctl plan` and `pearlctl apply` against a real database, in process (the `pearlctl` fixture),
+`apply --wait` in a process of its own: the paper cluster with a workload block, --explain, --json,
+--dry-run, stale plans, and --wait while the test plays the agents."""
 
 from __future__ import annotations
 

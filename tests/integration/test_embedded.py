@@ -121,3 +121,30 @@ def test_embedded_servers_restart_within_one_process(embedded_home) -> None:
         assert broker_answers(broker)
         assert stop_postgres(home) and stop_redis(home)
         assert not stop_postgres(home) and not stop_redis(home)
+
+
+def test_concurrent_inits_on_a_fresh_home_all_succeed(embedded_home) -> None:
+    """Three `pearlctl init --json` at once on a fresh PEARL_HOME: one starts the embedded servers
+    (under a file lock), the others wait and reuse them; each prints its JSON and exits 0."""
+    home, env = embedded_home
+    for round_ in range(2):
+        if round_:  # a fresh home again: initdb and the first start race the hardest
+            assert run(env, "db", "stop").returncode == 0
+            shutil.rmtree(home / "pg")
+        procs = [subprocess.Popen([str(PEARLCTL), "init", "--json"], env=env, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True) for _ in range(3)]
+        outcomes = []
+        for proc in procs:
+            try:
+                out, err = proc.communicate(timeout=180)
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.communicate()
+            outcomes.append((proc.returncode, out, err))
+        for code, out, err in outcomes:
+            assert code == 0, err
+            assert "Traceback" not in err
+            assert json.loads(out)["revision"] is not None
+        assert len({json.loads(out)["revision"] for _, out, _ in outcomes}) == 1  # all at the head
+        assert json.loads(run(env, "db", "status", "--json").stdout)["postgresql"]["running"]

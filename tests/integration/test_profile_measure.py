@@ -61,12 +61,12 @@ def test_a_cpu_measurement_is_stored_under_its_own_key(pearlctl: Callable, datab
     assert stored(database_url, ProfileKey("qwen3-8b", "cpu", 1, "cpu")).id > row.id  # history: a new row
 
 
-def test_without_torch_the_command_says_how_to_install_it(pearlctl: Callable, tmp_path: Path) -> None:
+def test_without_torch_the_command_says_how_to_install_it(pearlctl_process: Callable, tmp_path: Path) -> None:
     blocker = tmp_path / "no-torch" / "torch"
     blocker.mkdir(parents=True)
     (blocker / "__init__.py").write_text("raise ImportError('torch is not installed here')\n")
-    done = pearlctl("profile", "--model", "qwen3-8b", "--device", "cpu",
-                    extra_env={"PYTHONPATH": str(blocker.parent)})
+    done = pearlctl_process("profile", "--model", "qwen3-8b", "--device", "cpu",  # a process of its own: no torch
+                            extra_env={"PYTHONPATH": str(blocker.parent)})
     assert done.returncode == 1
     assert "pip install torch==2.13.0" in done.stderr
 

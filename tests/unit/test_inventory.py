@@ -42,13 +42,13 @@ def test_workload_block_is_the_scenario_workload() -> None:
                 "gen_tokens_per_turn": {"dist": "constant", "value": 20},
                 "env_latency_s": {"dist": "constant", "value": 0.5}}
     assert parse_inventory({**BASE, "workload": workload}).workload.batch_size == 8
-    with pytest.raises(BadInput, match=r"workload\.turns\.constant\.value: Input should be greater than or equal"):
+    with pytest.raises(BadInput, match=r"workload\.turns\.value: Input should be greater than or equal"):
         parse_inventory({**BASE, "workload": {**workload, "turns": {"dist": "constant", "value": -1}}})
 
 
 @pytest.mark.parametrize(("raw", "message"), [
     ([1, 2], "an inventory is a mapping"),
-    ({**BASE, "nodes": []}, "nodes: Tuple should have at least 1 item"),
+    ({**BASE, "nodes": []}, "nodes: needs at least 1 entry, got 0"),
     ({**BASE, "nodes": [{**BASE["nodes"][0], "gpus": 0}]}, "nodes.0.gpus: Input should be greater than 0"),
     ({**BASE, "nodes": [{**BASE["nodes"][0], "name": ""}]}, "nodes.0.name: String should have at least 1"),
     ({k: v for k, v in BASE.items() if k != "gpu"}, "gpu: Field required"),

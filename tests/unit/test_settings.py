@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -85,5 +86,5 @@ def test_a_malformed_url_exits_2_naming_the_variable(tmp_path: Path, variable: s
     result = CliRunner().invoke(app, args, env={"PEARL_HOME": str(tmp_path), variable: url})
     assert result.exit_code == 2, result.output
     assert f"{variable}:" in result.stderr and "s3cret" not in result.output
-    assert result.stdout == ""
+    assert result.stdout == "" if "--json" not in args else json.loads(result.stdout)["field"] == variable
     assert not (tmp_path / "pg").exists() and not (tmp_path / "redis").exists()  # nothing embedded started

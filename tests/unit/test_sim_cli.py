@@ -20,6 +20,29 @@ TINY = ["--set", "duration_s=900", "--set", "workload.batch_size=16"]  # for com
 SYSTEMS = {"roll", "roll-large", "rlboost-plus", "pearl", "oracle"}
 
 
+_RUNS: dict[tuple[str, str, str], object] = {}
+
+
+@pytest.fixture(autouse=True)
+def shared_runs(monkeypatch):
+    """One simulation per (scenario, system) for the whole module: `sim run` and `sim compare` in
+    several tests read the same deterministic runs (tests that need a process of their own still
+    simulate there). A reused run reports its progress as finished."""
+    from pearl.sim import experiments
+
+    simulate = experiments.run_system
+
+    def run_system(scenario, name, progress=None):
+        key = (str(scenario.source), scenario.model_dump_json(), name)
+        if key not in _RUNS:
+            _RUNS[key] = simulate(scenario, name, progress)
+        elif progress is not None:
+            progress(name, scenario.duration_s)
+        return _RUNS[key]
+
+    monkeypatch.setattr(experiments, "run_system", run_system)
+
+
 @pytest.fixture
 def cli():
     runner = CliRunner()
@@ -151,3 +174,55 @@ def test_a_terminal_gets_a_progress_bar_per_system_that_reaches_the_end(cli, mon
     plain = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", screen.getvalue())
     last = dict(re.findall(r"([a-z-]+) [━╺╸ ]+ *(\d+)%", plain))  # each bar's latest state
     assert last == {name: "100" for name in SYSTEMS}
+
+
+def test_progress_without_a_terminal_is_a_line_per_system(cli):
+    res = cli("sim", "run", "--scenario", "paper-qwen3-8b-seg1", "--policy", "roll", *SHORT, "--json")
+    assert res.exit_code == 0 and json.loads(res.stdout)["policy"] == "roll"
+    lines = res.stderr.splitlines()
+    assert lines[0] == "simulating roll (1/1) over 1,200 simulated s ..."
+    assert lines[1].startswith("roll done in ") and lines[1].endswith(" s (1/1)")
+
+
+def test_compare_lists_every_system_from_the_start():
+    """The bars of `sim compare`: every system has one before the first finishes (no silent minutes)."""
+    import io
+
+    from pearl.cli import sim as sim_cli
+    from rich.console import Console
+
+    names = ["roll", "roll-large", "rlboost-plus", "pearl", "oracle"]
+    screen = io.StringIO()
+    original = sim_cli.err
+    sim_cli.err = Console(file=screen, force_terminal=True, width=100)
+    try:
+        with sim_cli._Bar(600.0, names) as bar:
+            assert [bar.progress.tasks[i].description for i in range(5)] == names
+            bar("roll", 300.0)
+            assert bar.progress.tasks[0].completed == 300.0 and not bar.progress.tasks[1].started
+            bar("roll", 600.0)
+            bar("roll-large", 10.0)
+            assert bar.progress.tasks[1].started
+    finally:
+        sim_cli.err = original
+    lines = []
+    with sim_cli._Bar(600.0, names, enabled=False) as bar:
+        sim_cli.err, original = Console(file=io.StringIO(), width=200), sim_cli.err
+        try:
+            bar("roll", 0.0)
+            bar("roll", 600.0)
+            bar("pearl", 100.0)
+            lines = sim_cli.err.file.getvalue().splitlines()
+        finally:
+            sim_cli.err = original
+    assert lines[0] == "simulating roll (1/5) over 600 simulated s ..."
+    assert lines[1].startswith("roll done in ") and lines[1].endswith("(1/5)")
+    assert lines[2] == "simulating pearl (2/5) over 600 simulated s ..."
+
+
+def test_a_system_without_rollout_gpus_says_so(cli):
+    res = cli("sim", "run", "--scenario", "paper-qwen3-8b-seg1", "--policy", "roll", "--set", "duration_s=600",
+              "--set", "cluster.reserved_rollout_gpus=0", "--json")
+    assert res.exit_code == 0 and json.loads(res.stdout)["tokens_per_s"] == 0
+    assert "warning: roll: 0 tokens/s: cluster.reserved_rollout_gpus is 0, so it has no rollout GPU of its own" \
+        in res.stderr

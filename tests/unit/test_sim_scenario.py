@@ -53,8 +53,8 @@ def test_a_bad_trace_is_refused_naming_the_key(tmp_path, trace, needle):
         load_scenario(path)
     assert needle in str(info.value)
     res = CliRunner().invoke(app, ["sim", "run", "--scenario", str(path), "--policy", "roll", "--json"])
-    assert res.exit_code == 2 and res.stdout == ""
-    assert needle in res.stderr
+    assert res.exit_code == 2 and needle in res.stderr
+    assert json.loads(res.stdout) == {"error": str(info.value), "field": "cluster.preemptible.trace", "exit": 2}
 
 
 def test_an_unknown_key_in_the_file_is_named(tmp_path):
