@@ -203,7 +203,8 @@ def test_cli_bad_input_exits_2_naming_the_field(cli):
                   "--json")
         assert res.exit_code == 2, (extra, res.output)
         assert field in res.output, (extra, res.output)
-        assert res.stdout.strip() == ""  # nothing but the error, and on stderr
+        error = json.loads(res.stdout)  # with --json, stdout holds the error as one JSON object
+        assert error["exit"] == 2 and field in error["error"]
     missing = cli("sim", "ratio", "--scenario", "no-such-scenario.yaml", "--json")
     assert missing.exit_code == 2 and "--scenario" in missing.output
 
