@@ -496,6 +496,8 @@ class Simulation:
         return Result(
             scenario=self.sc.name, policy=self.policy.name,
             tokens_per_s=self.tokens_trained / self.sc.duration_s,
+            tokens_per_s_to_last_step=(self.tokens_trained / self.timeline.training_ends[-1]
+                                       if self.timeline.training_ends else 0.0),
             rollout_steps=tr.batches_done, training_steps=tr.trained, gpu_seconds=self.gpu_seconds,
             reconfigurations=self.reconfigurations, plans=self.plans,
             late_returns=tr.late_returns, lateness_s=tr.lateness_s, forced_releases=self.forced_releases,
