@@ -19,7 +19,7 @@ Serving efficiency (docs/calibration.md, "End-to-end serving efficiency under ag
   with CUDA graphs; this model gives ~6.7 ms);
 - MoE expert weights stream at MOE_EXPERT_BW_EFFICIENCY of HBM peak, a kernel figure: a Triton
   fused-MoE kernel of the kind SGLang uses streams the touched experts at 0.54-0.67 of HBM bandwidth
-  at batch 8-256 (measured on one H200, docs/calibration.md "GPU measurements");
+  at batch 8-256 (measured on one H200, docs/calibration.md, "GPU measurements on an H200");
 - each running sequence costs PER_SEQUENCE_OVERHEAD_S of scheduler CPU time per iteration (batch
   assembly, sampling, detokenization), overlapped with the GPU's work by SGLang's overlap scheduler
   (on by default since v0.4); checked against SGLang's ShareGPT saturation on one H100 (10.9k output
@@ -30,8 +30,8 @@ is what kernels (and an engine on a serving benchmark) deliver: `KERNEL`. Under 
 engine delivers less (scheduling and CPU overhead between short turns, chunked prefill interrupting
 decode, ragged batches, aborts and retractions): `AGENTIC_LOAD` divides the decode share and the
 prefill share of every iteration by a fitted efficiency, for dense and MoE models alike. Its two
-figures were fitted once on the paper's §3 measurements and frozen (docs/fidelity.md, with their
-ranges); the simulator's engines use them, the serving-benchmark anchors (sim/calibration.py) use
+figures were fitted once on the paper's §3 measurements and frozen, with their ranges
+(docs/fidelity.md); the simulator's engines use them, the serving-benchmark anchors (sim/calibration.py) use
 `KERNEL`.
 """
 
