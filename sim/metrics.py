@@ -53,7 +53,6 @@ class Result:
     scenario: str
     policy: str
     tokens_per_s: float  # the metric (docs/method.md)
-    tokens_per_s_to_last_step: float  # the companion: the same tokens over the last trained step's end time
     rollout_steps: int  # rollout batches completed within the run
     training_steps: int  # training steps completed within the run (the ones the metric counts)
     gpu_seconds: float  # GPU-seconds held by rollout workers, dedicated and borrowed
@@ -70,6 +69,7 @@ class Result:
     wall_s: float
     timeline: Timeline | None = None
     step_makespans_s: tuple[float, ...] = ()  # each rollout step's makespan, in order
+    tokens_per_s_to_last_step: float = 0.0  # the companion: the same tokens over the last trained step's end time
 
     def as_dict(self) -> dict[str, Any]:
         """The `--json` keys (docs/formats.md) and the extra ones; the timeline and the per-step makespans are
