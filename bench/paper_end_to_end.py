@@ -4,8 +4,11 @@ Prints one JSON object. Per scenario: each system's tokens/s, its ratios to `rol
 `rlboost-plus` measured in the same run, steps, mean rollout-step makespan, GPU-hours,
 reconfigurations, late returns and wall time; pearl/oracle; the oracle check; the paper's ratios
 beside ours; and the ceiling (sim/ceiling.py: every rollout step at the floor of its slowest
-trajectory alone on a worker, whatever the GPUs). The runs are deterministic, so `--repeat` only
-repeats the wall-time measurement of the whole compare (median and spread).
+trajectory alone on a worker, whatever the GPUs). Every figure is the mean over `--seeds` seeds
+(5 by default; the scenario's seed and the next ones draw the batches); tokens/s, its companion
+(tokens over the last trained step's end time) and each ratio also carry their per-seed values,
+spread and 95% interval, and each ratio says whether its interval spans 1 (sim/spread.py). The runs
+are deterministic, so `--repeat` only repeats the wall-time measurement of the whole compare.
 
 The summary lists the issue's targets, met or missed and by how much:
 pearl >= 2.17x roll on every 8B segment and >= 2.43x on every 30B-A3B segment; pearl > rlboost-plus
@@ -22,8 +25,9 @@ import statistics
 import time
 
 from pearl.sim.ceiling import ceiling
-from pearl.sim.experiments import compare
+from pearl.sim.experiments import compare_seeds
 from pearl.sim.scenario import load_scenario
+from pearl.sim.spread import spread
 
 SCENARIOS = [f"paper-qwen3-{m}-seg{s}" for m in ("8b", "30b-a3b") for s in (1, 2, 3)]
 # docs/method.md: pearl vs roll is given as a range per model; vs rlboost-plus per segment
@@ -39,12 +43,22 @@ def _model_segment(name: str) -> tuple[str, int]:
     return model, int(name.rsplit("seg", 1)[1])
 
 
-def _row(result, ratios: dict) -> dict:
-    d = result.as_dict()
+def _row(d: dict) -> dict:
+    """One system's figures from `SeededComparison.as_dict()` (means over the seeds, and intervals)."""
+    interval = {f"{key}_{part}": d.get(f"{src}_{part}")
+                for key, src in (("tokens_per_s", "tokens_per_s"),
+                                 ("tokens_per_s_to_last_step", "tokens_per_s_to_last_step"),
+                                 ("vs_roll", "vs_roll"), ("vs_rlboost_plus", "vs_rlboost-plus"))
+                for part in ("per_seed", "sd", "ci95")}
     return {
         "tokens_per_s": round(d["tokens_per_s"], 1),
-        "vs_roll": ratios["vs_roll"],
-        "vs_rlboost_plus": ratios["vs_rlboost-plus"],
+        "tokens_per_s_to_last_step": round(d["tokens_per_s_to_last_step"], 1),
+        "vs_roll": d["vs_roll"],
+        "vs_rlboost_plus": d["vs_rlboost-plus"],
+        "vs_roll_spans_1": d.get("vs_roll_spans_1"),
+        "vs_rlboost_plus_spans_1": d.get("vs_rlboost-plus_spans_1"),
+        "seeds": d["seeds"],
+        **interval,
         "rollout_steps": d["rollout_steps"],
         "training_steps": d["training_steps"],
         "mean_step_makespan_s": d["mean_step_makespan_s"],
@@ -56,22 +70,27 @@ def _row(result, ratios: dict) -> dict:
     }
 
 
-def scenario_figures(name: str, repeat: int) -> dict:
+def scenario_figures(name: str, repeat: int, seeds: int = 5) -> dict:
     sc = load_scenario(name)
-    walls, comparison = [], None
+    walls, seeded = [], None
     for _ in range(repeat):
         t0 = time.perf_counter()
-        comparison = compare(sc)
-        walls.append(time.perf_counter() - t0)
-    systems = {n: _row(r, comparison.ratios(n)) for n, r in comparison.systems.items()}
+        seeded = compare_seeds(sc, seeds)
+        walls.append((time.perf_counter() - t0) / seeds)  # one seed's compare
+    data = seeded.as_dict()
+    systems = {n: _row(d) for n, d in data["systems"].items()}
     model, seg = _model_segment(name)
-    roll = comparison.systems["roll"].tokens_per_s
+    roll = systems["roll"]["tokens_per_s"]
     top = ceiling(sc)
-    pearl, oracle = systems["pearl"], systems["oracle"]
+    per_seed = spread([p / o for p, o in zip(systems["pearl"]["tokens_per_s_per_seed"],
+                                              systems["oracle"]["tokens_per_s_per_seed"], strict=True)])
+    ci = per_seed.ci95
     return {
+        "seeds": data["seeds"],
         "systems": systems,
-        "pearl_vs_oracle": round(pearl["tokens_per_s"] / oracle["tokens_per_s"], 4),
-        "checks": comparison.checks(),
+        "pearl_vs_oracle": round(per_seed.mean, 4),
+        "pearl_vs_oracle_ci95": None if ci is None else [round(ci[0], 4), round(ci[1], 4)],
+        "checks": data["checks"],
         "paper": {"pearl_vs_roll_range": PAPER_VS_ROLL[model],
                   "pearl_vs_rlboost_plus": PAPER_VS_RLBOOST[model][seg - 1]},
         "ceiling": {"tokens_per_s": round(top.tokens_per_s, 1), "vs_roll": round(top.tokens_per_s / roll, 3),
@@ -113,9 +132,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--scenario", action="append", help="default: the six paper scenarios")
     parser.add_argument("--repeat", type=int, default=1, help="compares per scenario (wall time only)")
+    parser.add_argument("--seeds", type=int, default=5, help="seeds per scenario (means and 95%% intervals)")
     args = parser.parse_args()
+    if args.seeds < 1:
+        parser.error("--seeds must be >= 1")
     t0 = time.perf_counter()
-    figures = {name: scenario_figures(name, args.repeat) for name in args.scenario or SCENARIOS}
+    figures = {name: scenario_figures(name, args.repeat, args.seeds) for name in args.scenario or SCENARIOS}
     print(json.dumps({
         "scenarios": figures,
         "targets": targets(figures),

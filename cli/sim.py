@@ -186,10 +186,13 @@ def run(scenario: ScenarioOpt, policy: Annotated[str, typer.Option("--policy", h
 @sim_app.command("compare", epilog=_COLUMNS_HELP)
 @handle_errors
 def compare(scenario: ScenarioOpt, set_: SetOpt = None, json_: JsonOpt = False, plot: PlotOpt = None,
-            ablations: Annotated[bool, typer.Option("--ablations", help="Also run the ablations.")] = False) -> None:
+            ablations: Annotated[bool, typer.Option("--ablations", help="Also run the ablations.")] = False,
+            seeds: Annotated[int, typer.Option("--seeds", min=1, help="Run each system on this many seeds (the "
+                                               "scenario's and the next ones); report means and 95% intervals.")] = 1,
+            ) -> None:
     """Simulate every system on a scenario; ratios to roll and rlboost-plus. Progress goes to stderr
     (a bar per system in a terminal, a line per system otherwise)."""
-    from pearl.sim.experiments import compare as compare_systems
+    from pearl.sim.experiments import compare_seeds
     from pearl.sim.plot import check_path, plot_comparison
     from pearl.sim.scenario import load_scenario
     from pearl.sim.systems import ABLATIONS, SYSTEMS
@@ -198,11 +201,16 @@ def compare(scenario: ScenarioOpt, set_: SetOpt = None, json_: JsonOpt = False, 
     if plot is not None:
         check_path(plot)
     names = [*SYSTEMS, *(ABLATIONS if ablations else ())]
+    if seeds > 1:
+        from pearl.sim.experiments import seeds_of
+
+        names = [f"{n} (seed {s})" for s in seeds_of(sc, seeds) for n in names]
     with _Bar(sc.duration_s, names) as bar:
-        comparison = compare_systems(sc, ablations=ablations, progress=bar)
+        seeded = compare_seeds(sc, seeds, ablations=ablations, progress=bar)
+    comparison = seeded.runs[0]
     if plot is not None:
         plot_comparison({**comparison.systems, **comparison.ablations}, plot)
-    data = comparison.as_dict()
+    data = seeded.as_dict()
     _warn_idle(sc, {**data["systems"], **data.get("ablations", {})})
     bound = data["checks"].get("oracle_upper_bound")
     if json_:
@@ -211,6 +219,9 @@ def compare(scenario: ScenarioOpt, set_: SetOpt = None, json_: JsonOpt = False, 
         _show(_table(f"{sc.name}: systems", data["systems"], ratios=True))
         if data.get("ablations"):
             _show(_table(f"{sc.name}: ablations", data["ablations"], ratios=True))
+        if seeds > 1:
+            for line in _interval_lines(data):
+                out.print(line)
         if bound is not None:
             for line in _bound_lines(bound):
                 out.print(line, markup=True, highlight=False)
@@ -218,6 +229,23 @@ def compare(scenario: ScenarioOpt, set_: SetOpt = None, json_: JsonOpt = False, 
             err.print(f"wrote {plot}")
     if bound is not None and not bound["ok"]:  # the results are printed; the failed check is the exit status
         raise fail(_bound_failure(bound), PearlError.exit_code, as_json=False)
+
+
+def _interval_lines(data: dict) -> list[str]:
+    """Over several seeds: each system's mean and 95% interval, and each ratio's, saying when it spans 1."""
+    lines = [f"over seeds {', '.join(map(str, data['seeds']))}: mean [95% interval]"]
+    for group in ("systems", "ablations"):
+        for name, r in (data.get(group) or {}).items():
+            lo, hi = r["tokens_per_s_ci95"]
+            parts = [f"{name}: {r['tokens_per_s']:,.0f} tok/s [{lo:,.0f}, {hi:,.0f}]"]
+            for base in ("roll", "rlboost-plus"):
+                ci = r.get(f"vs_{base}_ci95")
+                if ci is None or name == base:
+                    continue
+                note = " (spans 1)" if r[f"vs_{base}_spans_1"] else ""
+                parts.append(f"×{base} {r[f'vs_{base}']:.3f} [{ci[0]:.3f}, {ci[1]:.3f}]{note}")
+            lines.append("  " + "; ".join(parts))
+    return lines
 
 
 def _bound_lines(bound: dict) -> list[str]:

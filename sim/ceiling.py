@@ -12,11 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pearl.controlplane.core.catalog import default_catalog
-from pearl.controlplane.core.perfmodel import PerfModel
-
 from .engine import EngineTiming
-from .scenario import Scenario
+from .scenario import Scenario, serving_perf
 from .trajectories import Trajectory, sample_batch
 
 
@@ -45,8 +42,7 @@ def trajectory_floor_s(traj: Trajectory, timing: EngineTiming) -> float:
 
 def ceiling(scenario: Scenario) -> Ceiling:
     """The trainer's schedule (docs/simulator.md, "The trainer") with every rollout step at its floor."""
-    catalog = default_catalog()
-    timing = EngineTiming(PerfModel(catalog.model(scenario.model), catalog.gpu(scenario.gpu), scenario.tp))
+    timing = EngineTiming(serving_perf(scenario))
     training, duration = scenario.training, scenario.duration_s
     rollout_end, train_end = 0.0, 0.0
     trained_ends: list[float] = []  # when each training step ended

@@ -119,6 +119,14 @@ class EngineTiming:
         return self.perf.iteration_time(prefill_tokens=tokens, prefill_attention_s=att)
 
 
+# How much of a trajectory's cached context its next turn still matches beyond the prompt (a frozen fit,
+# docs/fidelity.md; range 0-1). SGLang's radix cache matches token prefixes; Qwen3's chat template
+# renders earlier assistant turns without their reasoning (`<think>`) block, so in thinking mode the
+# next turn's tokens leave the cached sequence at the first assistant turn and only the prompt (shared
+# by the GRPO group) is reused: 0. A template that re-renders every turn verbatim reuses it all: 1.
+TURN_PREFIX_REUSE = 0.0
+
+
 class Engine:
     """A worker's engine in one role. The runner calls it at `busy_until` (`wake`) and on changes."""
 
@@ -409,7 +417,12 @@ class Engine:
         return self.ratio * total
 
     def _admit_prefill(self, req: Request, growth: float) -> bool:
-        cached = max(self.kv.hit(req.traj.id), self.kv.hit(group_key(req.traj.group))) if self.prefix_cache else 0
+        cached = 0
+        if self.prefix_cache:
+            prompt = req.traj.prompt
+            own = self.kv.hit(req.traj.id)
+            reused = prompt + TURN_PREFIX_REUSE * (own - prompt) if own > prompt else own
+            cached = max(int(reused), self.kv.hit(group_key(req.traj.group)))
         own = req.traj.id if req.traj.id in self.kv.cached else None
         extra = 0 if self.role is Role.PREFILL else int(growth + self.ratio * min(req.max_new, CLIP_MAX_NEW_TOKENS))
         if not self.kv.reserve(req.context, take=own, extra=extra):

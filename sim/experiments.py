@@ -9,6 +9,7 @@ from typing import Any
 from .metrics import Result
 from .runner import simulate
 from .scenario import Scenario
+from .spread import spread
 from .systems import ABLATIONS, SYSTEMS, system
 
 Progress = Callable[[str, float], None]  # (system, simulated seconds so far)
@@ -108,3 +109,92 @@ def compare(scenario: Scenario, ablations: bool = False, progress: Progress | No
     systems = {name: run_system(scenario, name, progress) for name in SYSTEMS}
     extra = {name: run_system(scenario, name, progress) for name in ABLATIONS} if ablations else {}
     return Comparison(scenario.name, systems, extra, ablations)
+
+
+def seeds_of(scenario: Scenario, n: int) -> list[int]:
+    """The seeds of an n-seed comparison: the scenario's own seed, then the next n-1."""
+    if n < 1:
+        raise ValueError("seeds must be >= 1")
+    return [scenario.seed + k for k in range(n)]
+
+
+@dataclass
+class SeededComparison:
+    """One `Comparison` per seed (every system on the same seeded batches within a seed), summarized:
+    each system's figures are means over the seeds; `tokens_per_s` and its companion and each ratio
+    (taken per seed, then summarized) also get their spread and 95% interval (sim/spread.py)."""
+
+    scenario: str
+    seeds: list[int]
+    runs: list[Comparison]
+
+    @property
+    def with_ablations(self) -> bool:
+        return self.runs[0].with_ablations
+
+    def _group(self, name: str, group: str) -> dict[str, Any]:
+        rows = [run.as_dict()[group][name] for run in self.runs]
+        out: dict[str, Any] = {}
+        for key, value in rows[0].items():
+            values = [r[key] for r in rows]
+            if isinstance(value, bool) or not isinstance(value, int | float) or any(v is None for v in values):
+                out[key] = value if len(rows) == 1 else (value if all(v == value for v in values) else None)
+                continue
+            mean = sum(values) / len(values)
+            out[key] = mean if len(rows) > 1 or isinstance(value, float) else value
+            if isinstance(out[key], float):
+                out[key] = round(out[key], 4 if key.startswith("vs_") else 3)
+        out["seeds"] = len(self.runs)
+        for key in ("tokens_per_s", "tokens_per_s_to_last_step", *(f"vs_{b}" for b in BASELINES_FOR_RATIOS)):
+            values = [r.get(key) for r in rows]
+            if any(v is None for v in values):
+                continue
+            s = spread(values)
+            ci = s.ci95
+            digits = 4 if key.startswith("vs_") else 1
+            out[f"{key}_per_seed"] = [round(v, digits) for v in values]
+            out[f"{key}_sd"] = None if s.sd is None else round(s.sd, digits + 1)
+            out[f"{key}_ci95"] = None if ci is None else [round(ci[0], digits), round(ci[1], digits)]
+            if key.startswith("vs_"):
+                out[f"{key}_spans_1"] = s.spans(1.0)
+        return out
+
+    def checks(self) -> dict[str, Any]:
+        """The oracle check of every seed: ok when it holds on every seed; violations name their seed."""
+        per_seed = [(seed, run.checks().get("oracle_upper_bound")) for seed, run in zip(self.seeds, self.runs,
+                                                                                        strict=True)]
+        if any(b is None for _, b in per_seed):
+            return {}
+        violations = [{**v, "seed": seed} for seed, b in per_seed for v in b["violations"]]
+        step_violations = [{**v, "seed": seed} for seed, b in per_seed for v in b["step_ends"]["violations"]]
+        worsts = [{**b["step_ends"]["worst"], "seed": seed} for seed, b in per_seed
+                  if b["step_ends"]["worst"] is not None]
+        worst = min(worsts, key=lambda w: w["margin"]) if worsts else None
+        ok = all(b["ok"] for _, b in per_seed)
+        return {"oracle_upper_bound": {"ok": ok, "violations": violations,
+                                       "step_ends": {"ok": not step_violations, "tolerance": STEP_END_TOLERANCE,
+                                                     "worst": worst, "violations": step_violations}}}
+
+    def as_dict(self) -> dict[str, Any]:
+        first = self.runs[0]
+        out: dict[str, Any] = {"scenario": self.scenario, "seeds": self.seeds,
+                               "systems": {n: self._group(n, "systems") for n in first.systems}}
+        if self.with_ablations:
+            out["ablations"] = {n: self._group(n, "ablations") for n in first.ablations}
+        out["checks"] = self.checks()
+        return out
+
+
+def compare_seeds(scenario: Scenario, seeds: int = 1, ablations: bool = False,
+                  progress: Progress | None = None) -> SeededComparison:
+    """`compare` on each of `seeds` seeds (seeds_of); with several, progress names each run
+    "<system> (seed N)"."""
+    chosen = seeds_of(scenario, seeds)
+
+    def labelled(seed: int) -> Progress | None:
+        if progress is None or len(chosen) == 1:
+            return progress
+        return lambda name, t: progress(f"{name} (seed {seed})", t)
+
+    runs = [compare(scenario.model_copy(update={"seed": s}), ablations, labelled(s)) for s in chosen]
+    return SeededComparison(scenario.name, chosen, runs)

@@ -3,6 +3,11 @@
 tokens_per_s: over the training steps completed within `duration_s`, each trained batch's generated
 tokens plus all its tokens (prompt, observations, generated), divided by `duration_s`. Each token
 counts once: re-prefills after a cache miss or an interruption are work, not tokens.
+
+tokens_per_s_to_last_step (the companion): the same tokens over the end time of the last training
+step completed, not over `duration_s`. The metric moves by a whole step's tokens when one more step
+fits in the run (one step of a paper scenario is worth several percent); the companion is the rate
+the run sustained up to its last step, so it does not jump with where the run's end happens to fall.
 """
 
 from __future__ import annotations
@@ -64,6 +69,7 @@ class Result:
     wall_s: float
     timeline: Timeline | None = None
     step_makespans_s: tuple[float, ...] = ()  # each rollout step's makespan, in order
+    tokens_per_s_to_last_step: float = 0.0  # the companion: the same tokens over the last trained step's end time
 
     def as_dict(self) -> dict[str, Any]:
         """The `--json` keys (docs/formats.md) and the extra ones; the timeline and the per-step makespans are

@@ -36,9 +36,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from pearl.controlplane.core.catalog import default_catalog
 from pearl.controlplane.core.domain import Mode
-from pearl.controlplane.core.perfmodel import PerfModel
 from pearl.controlplane.core.predictor import Config
 from pearl.controlplane.core.profile import Profile, profile_from_workload
 from pearl.controlplane.core.selector import Selection, candidates_for, select
@@ -49,7 +47,7 @@ from pearl.policies.base import Policy
 from pearl.policies.baselines import ColocatedBaseline, StaticSplit
 
 from .runner import Simulation
-from .scenario import Scenario
+from .scenario import Scenario, serving_perf
 
 WARMUP_STEPS = 1  # the first rollout step (module docstring, 3)
 MAX_STRETCH = 50  # a candidate must finish its steps within this many times `duration_s`
@@ -122,8 +120,7 @@ def run_static(scenario: Scenario, config: Config, stop_after: int | None = None
 
 def prior_profile(scenario: Scenario) -> Profile:
     """The catalog prior: the scenario's workload block and the catalog performance model."""
-    catalog = default_catalog()
-    perf = PerfModel(catalog.model(scenario.model), catalog.gpu(scenario.gpu), scenario.tp)
+    perf = serving_perf(scenario)
     return profile_from_workload(scenario.workload, perf)
 
 

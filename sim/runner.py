@@ -16,11 +16,9 @@ import math
 import time
 from collections.abc import Callable
 
-from pearl.controlplane.core.catalog import default_catalog
 from pearl.controlplane.core.domain import Activity, Role, WorkerZone
 from pearl.controlplane.core.fleet import FleetSnapshot
 from pearl.controlplane.core.orchestrator import orchestrate
-from pearl.controlplane.core.perfmodel import PerfModel
 from pearl.controlplane.core.telemetry import IterationRecord, StepTelemetry
 from pearl.policies.base import Policy, Signals
 
@@ -29,7 +27,7 @@ from .engine import TRANSFERRING, Engine, EngineTiming, Request
 from .executor import Executor, PlanRun, StepRun
 from .metrics import Result, Timeline
 from .router import Router
-from .scenario import Scenario
+from .scenario import Scenario, serving_perf
 from .trainer import Trainer
 from .trajectories import Trajectory, sample_batch
 from .workers import Cluster, Worker
@@ -49,8 +47,7 @@ class Simulation:
         self.policy = policy
         self.memory = policy.initial_memory()
         self.progress = progress
-        catalog = default_catalog()
-        self.perf = PerfModel(catalog.model(scenario.model), catalog.gpu(scenario.gpu), scenario.tp)
+        self.perf = serving_perf(scenario)
         self.timing = EngineTiming(self.perf)
         self.cluster = Cluster(scenario)
         self.workers = {w.id: w for w in self.cluster.workers}
@@ -73,6 +70,7 @@ class Simulation:
         self.batch_tokens: dict[int, int] = {}
         self.step_begin = 0.0
         self.makespans: list[float] = []
+        self.trajectory_durations: list[float] = []  # each finished trajectory: its end - its step's start
         self.borrow: dict[int, list[float]] = {}  # overlap worker -> [bound, admitted, return began]
         self.toggle_costs: list[float] = []
         # metric accumulators
@@ -346,6 +344,7 @@ class Simulation:
         if traj.turn == traj.turns - 1:
             self._live_change(-1, 0)
             traj.done = True
+            self.trajectory_durations.append(self.now - self.step_begin)
             self.router.finished(traj)
             self.remaining -= 1
             if self.remaining == 0:
@@ -496,6 +495,8 @@ class Simulation:
         return Result(
             scenario=self.sc.name, policy=self.policy.name,
             tokens_per_s=self.tokens_trained / self.sc.duration_s,
+            tokens_per_s_to_last_step=(self.tokens_trained / self.timeline.training_ends[-1]
+                                       if self.timeline.training_ends else 0.0),
             rollout_steps=tr.batches_done, training_steps=tr.trained, gpu_seconds=self.gpu_seconds,
             reconfigurations=self.reconfigurations, plans=self.plans,
             late_returns=tr.late_returns, lateness_s=tr.lateness_s, forced_releases=self.forced_releases,

@@ -12,6 +12,7 @@ from typing import Annotated, Any
 
 import yaml
 from pearl.controlplane.core.catalog import default_catalog
+from pearl.controlplane.core.perfmodel import AGENTIC_LOAD, PerfModel
 from pearl.controlplane.core.validation import format_validation
 from pearl.controlplane.core.workload import Workload
 from pearl.controlplane.errors import BadInput
@@ -205,3 +206,11 @@ def load_scenario(path: str | Path, overrides: list[str] | None = None) -> Scena
 
 def shipped_scenarios() -> list[Path]:
     return sorted((SHIPPED_DIR / "scenarios").glob("*.yaml"))
+
+
+def serving_perf(scenario: Scenario) -> PerfModel:
+    """The performance model of one of the scenario's workers as an engine under agentic rollout
+    delivers it (`AGENTIC_LOAD`, docs/fidelity.md): what every simulated engine and the predictor's
+    prior use."""
+    catalog = default_catalog()
+    return PerfModel(catalog.model(scenario.model), catalog.gpu(scenario.gpu), scenario.tp, AGENTIC_LOAD)

@@ -12,8 +12,6 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pearl.controlplane.core.catalog import default_catalog
-from pearl.controlplane.core.perfmodel import PerfModel
 from pearl.controlplane.errors import BadInput
 from pearl.policies.base import Policy
 from pearl.policies.baselines import ColocatedBaseline
@@ -21,7 +19,7 @@ from pearl.policies.pearl import Borrow, PearlPolicy
 
 from .metrics import Result
 from .oracle import OraclePolicy, run_oracle
-from .scenario import Scenario
+from .scenario import Scenario, serving_perf
 
 
 @dataclass(frozen=True)
@@ -54,8 +52,7 @@ def pearl(name: str, borrow: Borrow = Borrow.GATED, forced_split: bool = False) 
     """The PEARL policy on a scenario: its workload and the catalog perf model as the prior."""
 
     def build(sc: Scenario) -> Policy:
-        catalog = default_catalog()
-        perf = PerfModel(catalog.model(sc.model), catalog.gpu(sc.gpu), sc.tp)
+        perf = serving_perf(sc)
         return PearlPolicy.build(sc.workload, perf, sc.reconfig, sc.training.weight_sync_s, name=name,
                                  borrow=borrow, forced_split=forced_split)
 

@@ -113,6 +113,29 @@ def load_catalog(extra: tuple[Path, ...] = ()) -> Catalog:
     return Catalog(models=models, gpus=gpus)
 
 
+LINEAR_EFFICIENCY_CSV = CATALOG_DIR / "h100-7b-linear-efficiency.csv"
+
+
+@dataclass(frozen=True)
+class LinearEfficiencyRow:
+    """One row of the shipped kernel-efficiency table (vidur's measured 7B profile on one H100)."""
+
+    tokens: int  # tokens per step
+    mfu: float  # linear layers' share of dense bf16 peak (989 TFLOP/s)
+    mbu: float  # weight streaming's share of HBM peak (3.35 TB/s)
+
+
+@cache
+def linear_efficiency_table() -> tuple[LinearEfficiencyRow, ...]:
+    """The shipped `h100-7b-linear-efficiency.csv`, the figures the performance model's roofline
+    efficiencies are fitted to (`perfmodel.fit_linear_efficiency`)."""
+    import csv
+
+    with LINEAR_EFFICIENCY_CSV.open(newline="") as f:
+        return tuple(LinearEfficiencyRow(int(r["num_tokens"]), float(r["MFU_vs_989"]), float(r["MBU_vs_3350"]))
+                     for r in csv.DictReader(f))
+
+
 @cache
 def default_catalog() -> Catalog:
     """The shipped catalog plus the files named in `PEARL_CATALOG` (os.pathsep-separated)."""

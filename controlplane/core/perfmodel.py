@@ -17,22 +17,31 @@ Serving efficiency (docs/calibration.md, "End-to-end serving efficiency under ag
   lands Llama-3.1-8B on one H100 at ~27-28k tok/s for 8k prompts, measured 27.7k, sglang PR #1060);
 - decode at batch 1 is weight streaming plus STEP_OVERHEAD_S (7.06 ms/token measured for Llama-3-8B
   with CUDA graphs; this model gives ~6.7 ms);
-- MoE expert weights stream at MOE_EXPERT_BW_EFFICIENCY of HBM peak: small per-expert batches make
-  the fused-MoE kernels far less efficient than dense GEMV. Calibrated to PEARL's measurement of
-  Qwen3-30B-A3B on H800, TP2, colocated: ~400 decode tok/s per GPU at batch ~32 and ~8k context,
-  where the dense roofline predicts ~1,000-1,300;
+- MoE expert weights stream at MOE_EXPERT_BW_EFFICIENCY of HBM peak, a kernel figure: a Triton
+  fused-MoE kernel of the kind SGLang uses streams the touched experts at 0.54-0.67 of HBM bandwidth
+  at batch 8-256 (measured on one H200, docs/calibration.md, "GPU measurements on an H200");
 - each running sequence costs PER_SEQUENCE_OVERHEAD_S of scheduler CPU time per iteration (batch
   assembly, sampling, detokenization), overlapped with the GPU's work by SGLang's overlap scheduler
   (on by default since v0.4); checked against SGLang's ShareGPT saturation on one H100 (10.9k output
   tok/s of 24k total, sglang issue #1639).
+
+Kernel speed and engine speed under agentic load are kept apart (docs/fidelity.md). Everything above
+is what kernels (and an engine on a serving benchmark) deliver: `KERNEL`. Under agentic rollout an
+engine delivers less (scheduling and CPU overhead between short turns, chunked prefill interrupting
+decode, ragged batches, aborts and retractions): `AGENTIC_LOAD` divides the decode share and the
+prefill share of every iteration by a fitted efficiency, for dense and MoE models alike. Its two
+figures were fitted once on the paper's §3 measurements and frozen, with their ranges
+(docs/fidelity.md); the simulator's engines use them, the serving-benchmark anchors (sim/calibration.py) use
+`KERNEL`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from functools import cached_property
 
-from pearl.controlplane.core.catalog import GPUSpec, ModelSpec
+from pearl.controlplane.core.catalog import GPUSpec, LinearEfficiencyRow, ModelSpec
 
 MBU_PEAK = 0.78  # weight streaming share of HBM peak at small batch (CSV, MBU_vs_3350 at 1-8 tokens)
 MFU_PEAK = 0.80  # asymptotic GEMM share of dense peak (CSV fit)
@@ -41,7 +50,7 @@ ATTENTION_BW_EFFICIENCY = 0.75  # decode attention reads the KV cache at 75% of 
 ATTENTION_FLOPS_EFFICIENCY = 0.5  # prefill attention kernels vs dense peak [EST; FlashAttention-2/3 range]
 STEP_OVERHEAD_S = 0.0005  # fixed per iteration: launch, sampling (docs/calibration.md decode step model)
 PREFILL_SERVING_FACTOR = 0.8  # end-to-end prefill vs kernel roofline (docs/calibration.md)
-MOE_EXPERT_BW_EFFICIENCY = 0.25  # see the module docstring (PEARL 30B-A3B H800 measurement)
+MOE_EXPERT_BW_EFFICIENCY = 0.65  # fused-MoE kernel, touched experts vs HBM peak (H200: 0.54-0.67)
 PER_SEQUENCE_OVERHEAD_S = 15e-6  # scheduler CPU time per running sequence per iteration [EST, #1639]
 TP_ALLREDUCE_LATENCY_S = 8e-6  # one small all-reduce over NVLink (custom all-reduce) [EST]
 KV_MEMORY_FRACTION = 0.9  # SGLang mem_fraction_static-like share of HBM the engine takes
@@ -49,13 +58,58 @@ ACTIVATION_RESERVE_BYTES = 3e9  # activations, CUDA graphs, NCCL buffers per GPU
 KV_TRANSFER_SETUP_S = 0.002  # per-request KV handshake between prefill and decode pools [EST]
 
 
+MBU_SMALL_BATCH_TOKENS = 8  # steps up to this many tokens stream weights (the MBU_PEAK rows)
+MFU_FIT_FROM_TOKENS = 128  # rows from this many tokens per step are compute-bound (the MFU fit)
+
+
+def fit_linear_efficiency(rows: Sequence[LinearEfficiencyRow]) -> tuple[float, float, float]:
+    """(MBU_PEAK, MFU_PEAK, MFU_HALF_TOKENS) from a measured kernel-efficiency table: the mean MBU of
+    the weight-streaming rows, and MFU(n) = peak * n / (n + half) by least squares on
+    1/MFU = 1/peak + (half/peak) / n over the compute-bound rows."""
+    small = [r.mbu for r in rows if r.tokens <= MBU_SMALL_BATCH_TOKENS]
+    big = [r for r in rows if r.tokens >= MFU_FIT_FROM_TOKENS and r.mfu > 0]
+    if not small or len(big) < 2:
+        raise ValueError("the table needs weight-streaming rows and at least two compute-bound rows")
+    xs = [1.0 / r.tokens for r in big]
+    ys = [1.0 / r.mfu for r in big]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
+    intercept = my - slope * mx
+    return sum(small) / len(small), 1.0 / intercept, slope / intercept
+
+
+@dataclass(frozen=True)
+class ServingEfficiency:
+    """The share of kernel speed an engine delivers, for decode and for prefill (1.0: kernel speed)."""
+
+    decode: float = 1.0
+    prefill: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("decode", "prefill"):
+            value = getattr(self, name)
+            if not 0 < value <= 1:
+                raise ValueError(f"serving efficiency {name} must be in (0, 1], got {value}")
+
+
+# A frozen fit (docs/fidelity.md): each figure with the range its argument allows.
+AGENTIC_DECODE_EFFICIENCY = 0.40  # fitted on Fig. 2a; range 0.30-0.80 (see docs/fidelity.md)
+AGENTIC_DECODE_EFFICIENCY_RANGE = (0.30, 0.80)
+AGENTIC_PREFILL_EFFICIENCY = 0.30  # fitted on Fig. 2b; range 0.25-0.80 (see docs/fidelity.md)
+AGENTIC_PREFILL_EFFICIENCY_RANGE = (0.25, 0.80)
+KERNEL = ServingEfficiency()
+AGENTIC_LOAD = ServingEfficiency(AGENTIC_DECODE_EFFICIENCY, AGENTIC_PREFILL_EFFICIENCY)
+
+
 @dataclass(frozen=True)
 class PerfModel:
-    """Timing of one worker: `model` served with tensor parallelism `tp` on `gpu`s."""
+    """Timing of one worker: `model` served with tensor parallelism `tp` on `gpu`s, at `serving`'s
+    share of kernel speed."""
 
     model: ModelSpec
     gpu: GPUSpec
     tp: int
+    serving: ServingEfficiency = field(default=KERNEL)
 
     # -- capacity -------------------------------------------------------------------------------
 
@@ -101,9 +155,10 @@ class PerfModel:
         return 2 * self.model.layers * per
 
     def decode_attention_time(self, context_tokens: float) -> float:
-        """Reading the KV cache of all decoding sequences (`context_tokens` summed over them)."""
+        """Reading the KV cache of all decoding sequences (`context_tokens` summed over them), at the
+        decode serving efficiency."""
         kv_bytes = context_tokens * self.model.kv_bytes_per_token / self.tp
-        return kv_bytes / (self.gpu.hbm_tbps * 1e12 * ATTENTION_BW_EFFICIENCY)
+        return kv_bytes / (self.gpu.hbm_tbps * 1e12 * ATTENTION_BW_EFFICIENCY * self.serving.decode)
 
     def prefill_attention_time(self, tokens: float, context_before: float) -> float:
         """Attention of `tokens` new tokens that see `context_before` cached tokens plus each other."""
@@ -130,16 +185,18 @@ class PerfModel:
             return 0.0
         linear = max(self.weight_read_time(tokens), self.linear_compute_time(tokens))
         gpu = linear + prefill_attention_s + self.tp_comm_time(tokens) + STEP_OVERHEAD_S
+        share = prefill_tokens / tokens
         if prefill_tokens > 0:
             # end-to-end prefill serving efficiency applies to the prefill share of the pass
-            share = prefill_tokens / tokens
             gpu += (1.0 / PREFILL_SERVING_FACTOR - 1.0) * share * (linear + prefill_attention_s)
+        # the engine under load: each share of the pass at its serving efficiency (1.0 for KERNEL)
+        slowdown = share / self.serving.prefill + (1.0 - share) / self.serving.decode
         # SGLang's overlap scheduler prepares the next batch on the CPU while the GPU runs this one, so
         # the per-sequence CPU cost only shows when it exceeds the GPU work. Overlapping it with the
         # context-independent GPU work alone (conservative) keeps the iteration time affine in the
         # decode context, which the simulator's closed-form advance relies on.
         cpu = PER_SEQUENCE_OVERHEAD_S * decode_batch
-        return max(gpu, cpu) + self.decode_attention_time(decode_context_tokens)
+        return max(gpu * slowdown, cpu) + self.decode_attention_time(decode_context_tokens)
 
     def decode_step_time(self, batch: int, context_mean: float) -> float:
         """A decode-only iteration: `batch` sequences of mean context `context_mean`."""

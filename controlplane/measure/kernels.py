@@ -8,10 +8,23 @@ here, lazily, and TorchMissing says how to install it.
 What one layer of one TP rank does (heads and FFN divided by tp; the all-reduces are not timed):
 the QKV projection, attention (decode: n single-token queries, each over its own c cached tokens,
 grouped-query; prefill: a chunk of T new tokens over c cached tokens plus, causally, each other),
-the output projection and the gated MLP (gate and up, SiLU, down). An iteration is one layer's time
-times the model's layers. The catalog has no FFN width, so it comes from the linear FLOPs: per layer
-F / (2 x layers) weights (the LM head spread over the layers), less the attention projections, over
-3 x hidden (for a mixture of experts that is the width of the experts a token activates).
+the output projection and the gated MLP (gate and up, SiLU, down). The catalog has no FFN width,
+so it comes from the linear FLOPs: per layer F / (2 x layers) weights (the LM head spread over the
+layers), less the attention projections, over 3 x hidden.
+
+A mixture of experts (the catalog's `experts`) has a routed MoE layer instead of the MLP: the router
+projection, then each expert the step's tokens are routed to (top-k, uniform routing drawn once per
+shape, so the experts a batch touches are those of docs/calibration.md's formula on average) runs
+its gated MLP of the expert width (expert_bytes / (2 x layers x experts x 3 x hidden)) on its
+tokens, and the results are summed back. The touched experts' weights are read every step, as
+SGLang's fused-MoE kernels read them.
+
+An iteration is timed as an engine runs it: the layers chained, each feeding the next, with one
+synchronisation at the end (SGLang decodes under CUDA graphs; a sync after every layer would time
+the kernel launches at small batches). On CUDA the chained stack is captured as a CUDA graph and
+replayed (`timing: "cuda-graph"`), or run eagerly when capture fails (`"chained"`). On the CPU,
+where a call returns when its work is done, CPU_CHAIN_LAYERS layers are chained and scaled to the
+model's layers.
 
 Fit. For each batch n of DECODE_BATCHES up to `max_batch`: T(n, c0) and T(n, c1); b_ctx is the
 median over n of (T(n, c1) - T(n, c0)) / (n (c1 - c0)); base(n) = T(n, c0) - b_ctx n c0, made
@@ -47,6 +60,8 @@ from pearl.controlplane.errors import BadInput, PearlError
 
 CPU_SCALE = 1 / 8  # default shape factor on the CPU
 DEFAULT_TP = 1
+CPU_CHAIN_LAYERS = 4  # layers chained per timed stack on the CPU (module docstring)
+ROUTING_SEED = 0  # the uniform routing of the MoE layer, drawn once per shape
 
 
 class TorchMissing(PearlError):
@@ -65,9 +80,11 @@ class LayerShape:
     q_heads: int
     kv_heads: int
     head_dim: int
-    ffn: int
+    ffn: int  # the MLP's width, or for a mixture of experts one expert's (per rank)
     layers: int
     dtype: str
+    experts: int = 0  # routed experts per layer (0: a dense MLP)
+    experts_active: int = 0  # experts each token is routed to
 
     @property
     def kv_bytes_per_token(self) -> float:
@@ -117,6 +134,7 @@ class Measurement:
     extrapolated: tuple[int, ...]  # batches whose base continues the last measured slope
     prefill_s: tuple[float, float]  # T_pre(T, 0), T_pre(T, c1)
     seconds: float  # wall time of the measurement
+    timing: str = "chained"  # how the layer stack was timed: "cuda-graph" or "chained" (module docstring)
 
     def method_symbols(self, batch_hint: float = 8.0) -> dict[str, float]:
         """A, b (secant around `batch_hint` sequences) and t_p, at the measured context c1."""
@@ -134,6 +152,7 @@ class Measurement:
             "decode_s": {str(n): list(t) for n, t in self.decode_s.items()},
             "extrapolated": list(self.extrapolated),
             "prefill_s": list(self.prefill_s),
+            "timing": self.timing,
             "symbols": self.method_symbols(),
             "seconds": self.seconds,
         }
@@ -154,8 +173,14 @@ def ffn_width(model: ModelSpec) -> int:
     return max(model.hidden, int(round((per_layer - attention) / (3 * model.hidden))))
 
 
+def expert_width(model: ModelSpec) -> int:
+    """One expert's FFN width from the catalog's expert bytes (bf16, gate, up and down)."""
+    return int(round(model.expert_bytes / (2 * model.layers * model.experts * 3 * model.hidden)))
+
+
 def layer_shape(model: ModelSpec, tp: int, scale: float, dtype: str) -> LayerShape:
-    """One TP rank's layer at `scale` (head_dim kept, at least one KV head, q heads a multiple of it)."""
+    """One TP rank's layer at `scale` (head_dim kept, at least one KV head, q heads a multiple of it);
+    a mixture of experts keeps every expert, each of its expert width divided by tp."""
     if model.q_heads % tp or model.kv_heads % tp and tp % model.kv_heads:
         raise BadInput(f"--tp: {tp} does not divide the heads of {model.name} ({model.q_heads} q, {model.kv_heads} kv)")
     # a rank keeps q_heads / tp query heads and ceil(kv_heads / tp) KV heads (replicated when tp > kv_heads)
@@ -163,8 +188,54 @@ def layer_shape(model: ModelSpec, tp: int, scale: float, dtype: str) -> LayerSha
     kv = max(1, round(kv_rank * scale))
     q = kv * max(1, q_rank // kv_rank)
     hidden = max(64, int(round(model.hidden * scale)))
+    if model.is_moe:
+        ffn = max(16, int(round(expert_width(model) * scale / tp)))
+        return LayerShape(hidden, q, kv, model.head_dim, ffn, model.layers, dtype, model.experts,
+                          model.experts_active)
     ffn = max(64, int(round(ffn_width(model) * scale / tp)))
     return LayerShape(hidden, q, kv, model.head_dim, ffn, model.layers, dtype)
+
+
+def routing(tokens: int, experts: int, active: int, seed: int = ROUTING_SEED) -> list[list[int]]:
+    """Uniform top-k routing of `tokens` tokens: for each expert, the tokens routed to it (pure)."""
+    import random
+
+    rng = random.Random(seed * 1_000_003 + tokens)
+    out: list[list[int]] = [[] for _ in range(experts)]
+    for token in range(tokens):
+        for e in rng.sample(range(experts), active):
+            out[e].append(token)
+    return out
+
+
+def time_stack(step: Callable[[Any], Any], x: Any, chain: int, repeats: int, sync: Callable[[], None],
+               graph: Callable[[Callable[[], Any]], Callable[[], Any]] | None = None) -> tuple[float, str]:
+    """Median seconds of `chain` chained calls of `step` (each feeding the next) with one `sync` at the
+    end, over `repeats` samples after one warm-up; with `graph`, the chain is captured once and its
+    replay is timed (`graph` returns the replay, or raises if capture fails: then it runs eagerly).
+    Returns (seconds, "cuda-graph" | "chained")."""
+
+    def stack() -> Any:
+        y = x
+        for _ in range(chain):
+            y = step(y)
+        return y
+
+    run, how = stack, "chained"
+    if graph is not None:
+        try:
+            run, how = graph(stack), "cuda-graph"
+        except Exception:  # noqa: BLE001 - capture is an optimisation: any failure falls back to eager
+            run, how = stack, "chained"
+    run()
+    sync()
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        run()
+        sync()
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples), how
 
 
 def measure(model: ModelSpec, spec: MeasureSpec, perf: PerfModel | None = None,
@@ -182,17 +253,16 @@ def measure(model: ModelSpec, spec: MeasureSpec, perf: PerfModel | None = None,
     sync = torch.cuda.synchronize if spec.device == "cuda" else (lambda: None)
     say = progress or (lambda _: None)
 
-    def timed(fn: Callable[[], Any]) -> float:
+    chain = shape.layers if spec.device == "cuda" else min(shape.layers, CPU_CHAIN_LAYERS)
+    graph = _cuda_graph(torch) if spec.device == "cuda" else None
+    methods: set[str] = set()
+
+    def timed(step_and_input: tuple[Callable[[Any], Any], Any]) -> float:
+        step, x = step_and_input
         with torch.inference_mode():
-            fn()
-            sync()
-            samples = []
-            for _ in range(spec.repeats):
-                t0 = time.perf_counter()
-                fn()
-                sync()
-                samples.append(time.perf_counter() - t0)
-        return statistics.median(samples) * shape.layers
+            seconds, how = time_stack(step, x, chain, spec.repeats, sync, graph)
+        methods.add(how)
+        return seconds * shape.layers / chain
 
     c0, c1 = spec.context_small, spec.context_tokens
     batches = [n for n in DECODE_BATCHES if n <= spec.max_batch]
@@ -218,8 +288,26 @@ def measure(model: ModelSpec, spec: MeasureSpec, perf: PerfModel | None = None,
         prefill_s_per_token=t_p0, prefill_s_per_token_per_ctx=t_pc, **kv,
     )
     name = torch.cuda.get_device_name(dev) if spec.device == "cuda" else _cpu_name()
+    timing = "cuda-graph" if methods == {"cuda-graph"} else "chained"
     return Measurement(engine, shape, spec, name, spec.scale < 1, decode, tuple(extra), prefill,
-                       time.perf_counter() - started)
+                       time.perf_counter() - started, timing)
+
+
+def _cuda_graph(torch: Any) -> Callable[[Callable[[], Any]], Callable[[], Any]]:
+    """Capture a callable as a CUDA graph (after a warm-up on a side stream); returns its replay."""
+
+    def capture(fn: Callable[[], Any]) -> Callable[[], Any]:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        return g.replay
+
+    return capture
 
 
 def _kv_figures(torch: Any, shape: LayerShape, spec: MeasureSpec, dev: Any, perf: PerfModel | None,
@@ -289,9 +377,15 @@ class _Layer:
         w = lambda *size: torch.randn(*size, device=dev, dtype=dtype) / math.sqrt(size[0])  # noqa: E731
         self.w_qkv = w(h, (shape.q_heads + 2 * shape.kv_heads) * d)
         self.w_o = w(shape.q_heads * d, h)
-        self.w_gate_up = w(h, 2 * shape.ffn)
-        self.w_down = w(shape.ffn, h)
+        if shape.experts:
+            self.w_router = w(h, shape.experts)
+            self.w_gate_up = torch.randn(shape.experts, h, 2 * shape.ffn, device=dev, dtype=dtype) / math.sqrt(h)
+            self.w_down = torch.randn(shape.experts, shape.ffn, h, device=dev, dtype=dtype) / math.sqrt(shape.ffn)
+        else:
+            self.w_gate_up = w(h, 2 * shape.ffn)
+            self.w_down = w(shape.ffn, h)
         self.cache: dict[tuple[int, int], tuple[Any, Any]] = {}
+        self.routes: dict[int, list[tuple[int, Any]]] = {}
 
     def _kv(self, n: int, c: int) -> tuple[Any, Any]:
         """K and V caches of n sequences of c tokens (one at a time, so memory stays bounded)."""
@@ -311,22 +405,38 @@ class _Layer:
         v = qkv[:, q_dim + kv_dim:].view(tokens, s.kv_heads, s.head_dim).transpose(0, 1)
         return q.reshape(s.kv_heads, self.group * tokens, s.head_dim), k, v
 
+    def touched(self, tokens: int) -> list[tuple[int, Any]]:
+        """(expert, the indices of its tokens) for each expert a step of `tokens` tokens is routed to."""
+        if tokens not in self.routes:
+            self.routes[tokens] = [(e, self.torch.tensor(idx, device=self.dev, dtype=self.torch.long))
+                                   for e, idx in enumerate(routing(tokens, self.s.experts, self.s.experts_active))
+                                   if idx]
+        return self.routes[tokens]
+
     def _finish(self, x: Any, attn: Any) -> Any:
-        """Output projection, residual, gated MLP."""
+        """Output projection, residual, gated MLP (or the routed experts' MLPs)."""
         F = self.torch.nn.functional  # noqa: N806 - torch's own name
         y = attn @ self.w_o + x
-        gate, up = (y @ self.w_gate_up).chunk(2, dim=-1)
-        return (F.silu(gate) * up) @ self.w_down + y
+        if not self.s.experts:
+            gate, up = (y @ self.w_gate_up).chunk(2, dim=-1)
+            return (F.silu(gate) * up) @ self.w_down + y
+        y @ self.w_router  # the router's logits (the routing itself is fixed per shape)
+        out = y.clone()
+        for e, idx in self.touched(y.shape[0]):
+            gate, up = (y.index_select(0, idx) @ self.w_gate_up[e]).chunk(2, dim=-1)
+            out.index_add_(0, idx, (F.silu(gate) * up) @ self.w_down[e])
+        return out
 
-    def decode(self, n: int, c: int) -> Callable[[], Any]:
-        """One decode iteration of n sequences, each attending over its own c tokens (the last is new)."""
+    def decode(self, n: int, c: int) -> tuple[Callable[[Any], Any], Any]:
+        """One layer of a decode iteration of n sequences, each attending over its own c tokens (the
+        last is new): (the layer, from hidden states to hidden states, so layers chain; its input)."""
         s, torch = self.s, self.torch
         F = torch.nn.functional  # noqa: N806
-        x = torch.randn(n, s.hidden, device=self.dev, dtype=self.dtype)
+        x0 = torch.randn(n, s.hidden, device=self.dev, dtype=self.dtype)
         k_cache, v_cache = self._kv(n, c)
         q_dim, kv_dim = s.q_heads * s.head_dim, s.kv_heads * s.head_dim
 
-        def run() -> Any:
+        def run(x: Any) -> Any:
             qkv = x @ self.w_qkv
             q = qkv[:, :q_dim].view(n, s.kv_heads, self.group, s.head_dim)
             k_cache[:, :, c - 1] = qkv[:, q_dim:q_dim + kv_dim].view(n, s.kv_heads, s.head_dim)
@@ -334,19 +444,20 @@ class _Layer:
             attn = F.scaled_dot_product_attention(q, k_cache, v_cache)
             return self._finish(x, attn.reshape(n, q_dim))
 
-        return run
+        return run, x0
 
-    def prefill(self, t: int, c: int) -> Callable[[], Any]:
-        """A chunk of t new tokens of one sequence after c cached ones (causal among the new)."""
+    def prefill(self, t: int, c: int) -> tuple[Callable[[Any], Any], Any]:
+        """One layer of a chunk of t new tokens of one sequence after c cached ones (causal among the
+        new): (the layer, from hidden states to hidden states; its input)."""
         s, torch = self.s, self.torch
         F = torch.nn.functional  # noqa: N806
-        x = torch.randn(t, s.hidden, device=self.dev, dtype=self.dtype)
+        x0 = torch.randn(t, s.hidden, device=self.dev, dtype=self.dtype)
         k_cache, v_cache = self._kv(1, c + t)
         # row g * t + i is new token i of query head g of its group: it sees columns j <= c + i
         mask = torch.ones(t, c + t, device=self.dev, dtype=torch.bool).tril(diagonal=c).repeat(self.group, 1)
         q_dim = s.q_heads * s.head_dim
 
-        def run() -> Any:
+        def run(x: Any) -> Any:
             q, k, v = self._split(x @ self.w_qkv, t)
             k_cache[0, :, c:] = k
             v_cache[0, :, c:] = v
@@ -354,7 +465,7 @@ class _Layer:
             out = attn.view(s.kv_heads, self.group, t, s.head_dim).permute(2, 0, 1, 3).reshape(t, q_dim)
             return self._finish(x, out)
 
-        return run
+        return run, x0
 
     def free(self) -> None:
         self.cache.clear()

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 from pearl.agents.fleet import LocalFleet
-from pearl.controlplane.weights import write_demo_snapshot
 from pearl.controlplane.api import ControlPlane
 from pearl.controlplane.core.domain import Activity, WorkerZone
 from pearl.controlplane.store.db import transaction
 from pearl.controlplane.store.fleet_status import read_fleet_status
 from pearl.controlplane.store.schema import Worker
+from pearl.controlplane.weights import write_demo_snapshot
 from plan_support import import_cluster, small_inventory
 from sqlalchemy import Engine, select, text
 

@@ -45,6 +45,7 @@ def test_a_cpu_measurement_is_stored_under_its_own_key(pearlctl: Callable, datab
     assert out["key"] == {"model": "qwen3-8b", "gpu": "cpu", "tp": 1, "device": "cpu"} and out["scaled"] is True
     assert "scaled-down shape" in out["note"] and out["shape"]["hidden"] == 123
     assert "kept as history and never planned with" in out["note"]
+    assert out["timing"] == "chained"  # on the CPU the layers run chained, one sync per sample
     assert out["symbols"]["A"] > 0 and out["symbols"]["t_p"] > 0 and out["symbols"]["b"] >= 0
     assert sorted(int(n) for n in out["decode_s"]) == [1, 2, 4] and out["extrapolated"][0] == 8
     row = stored(database_url, ProfileKey("qwen3-8b", "cpu", 1, "cpu"))
@@ -101,6 +102,7 @@ def test_the_full_shape_on_a_gpu(pearlctl: Callable, database_url: str) -> None:
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout)
     assert out["scaled"] is False and out["shape"]["hidden"] == 4096 and out["shape"]["dtype"] == "bfloat16"
+    assert out["timing"] == "cuda-graph"  # the layer stack replayed as SGLang decodes, not synced per layer
     row = stored(database_url, ProfileKey("qwen3-8b", "h800", 1, "cuda"))
     assert row is not None and row.id == out["profile_id"]
     engine = profile_store.measured_engine(row)

@@ -87,3 +87,44 @@ def test_the_method_coefficients_are_functions_of_context():
     for batch in (16, 64):
         assert a_long + b_long * batch == pytest.approx(p.decode_step_time(batch, 8192), rel=1e-9)
     assert p.prefill_seconds_per_token(2048, context_before=16_384) > p.prefill_seconds_per_token(2048)
+
+
+def test_the_roofline_efficiencies_refit_from_the_shipped_csv():
+    """The efficiency CSV shipped in the catalog is what MBU_PEAK, MFU_PEAK and MFU_HALF_TOKENS are
+    fitted to: refitting it lands on the frozen values."""
+    from pearl.controlplane.core import perfmodel
+    from pearl.controlplane.core.catalog import linear_efficiency_table
+
+    rows = linear_efficiency_table()
+    assert len(rows) > 200 and rows[0].tokens == 1 and rows[-1].tokens == 4096
+    mbu, mfu, half = perfmodel.fit_linear_efficiency(rows)
+    assert mbu == pytest.approx(perfmodel.MBU_PEAK, abs=0.02)
+    assert mfu == pytest.approx(perfmodel.MFU_PEAK, abs=0.02)
+    assert half == pytest.approx(perfmodel.MFU_HALF_TOKENS, rel=0.1)
+
+
+def test_agentic_load_slows_dense_and_moe_alike_and_kernel_speed_is_the_default():
+    from pearl.controlplane.core.perfmodel import (
+        AGENTIC_DECODE_EFFICIENCY,
+        AGENTIC_DECODE_EFFICIENCY_RANGE,
+        AGENTIC_LOAD,
+        AGENTIC_PREFILL_EFFICIENCY,
+        AGENTIC_PREFILL_EFFICIENCY_RANGE,
+        KERNEL,
+        ServingEfficiency,
+    )
+
+    lo, hi = AGENTIC_DECODE_EFFICIENCY_RANGE
+    assert lo <= AGENTIC_DECODE_EFFICIENCY <= hi
+    lo, hi = AGENTIC_PREFILL_EFFICIENCY_RANGE
+    assert lo <= AGENTIC_PREFILL_EFFICIENCY <= hi
+    for model in ("qwen3-8b", "qwen3-30b-a3b"):
+        kernel = perf(model, "h800", 2)
+        assert kernel.serving == KERNEL
+        loaded = PerfModel(kernel.model, kernel.gpu, 2, AGENTIC_LOAD)
+        ratio = loaded.decode_step_time(32, 8000) / kernel.decode_step_time(32, 8000)
+        assert ratio == pytest.approx(1 / AGENTIC_DECODE_EFFICIENCY, rel=0.02), model
+        assert loaded.prefill_time(4096) / kernel.prefill_time(4096) == pytest.approx(
+            1 / AGENTIC_PREFILL_EFFICIENCY, rel=0.02)
+    with pytest.raises(ValueError, match="decode"):
+        ServingEfficiency(decode=0.0)

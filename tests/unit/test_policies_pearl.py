@@ -168,7 +168,8 @@ def test_a_split_that_lost_its_prefill_worker_switches_mode_at_once():
 
 
 def test_an_infeasible_current_split_is_left_despite_the_switch_cost():
-    moe = load_scenario("paper-qwen3-30b-a3b-seg2")
+    # a batch of 256: one decode worker's KV cannot hold the trajectories decoding at once
+    moe = load_scenario("paper-qwen3-30b-a3b-seg2", ["workload.batch_size=256"])
     policy = _policy(moe)
     fleet = FleetSnapshot(3, (_slot(0, role=Role.PREFILL, active=True), _slot(1, role=Role.DECODE, active=True)), tp=2)
     selection = select(policy.prior, 2, Config.split(1, 1))

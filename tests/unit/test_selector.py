@@ -83,7 +83,7 @@ def test_mode_switch_needs_more_than_a_ratio_change(prior):
 
 
 def test_infeasible_current_is_a_forced_switch(prior):
-    small = replace(prior, engine=replace(prior.engine, kv_capacity_tokens=200_000))
+    small = replace(prior, engine=replace(prior.engine, kv_capacity_tokens=120_000))
     out = select(small, 8, Config.split(6, 2))  # its decode KV cannot hold the batch
     assert out.forced and out.switched and out.chosen == out.best
     assert "infeasible" in out.reason and out.decision is None

@@ -91,6 +91,37 @@ def test_compare_json_has_every_system_and_the_ratios(cli):
         assert RUN_KEYS - {"scenario", "policy"} <= row.keys() and "vs_rlboost-plus" in row
 
 
+def test_compare_over_seeds_reports_means_and_intervals(cli):
+    res = cli("sim", "compare", "--scenario", "paper-qwen3-8b-seg1", *TINY, "--seeds", "2", "--json")
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.stdout)
+    assert data["seeds"] == [1, 2]  # the scenario's seed, then the next
+    for name, row in data["systems"].items():
+        per_seed = row["tokens_per_s_per_seed"]
+        assert row["seeds"] == 2 and len(per_seed) == 2
+        assert row["tokens_per_s"] == pytest.approx(sum(per_seed) / 2, abs=0.1)
+        low, high = row["tokens_per_s_ci95"]
+        assert low <= row["tokens_per_s"] <= high
+        assert row["tokens_per_s_to_last_step"] >= row["tokens_per_s"] - 0.1
+        assert isinstance(row["vs_rlboost-plus_spans_1"], bool), name
+    roll = data["systems"]["roll"]
+    assert roll["vs_roll_ci95"] == [1.0, 1.0] and roll["vs_roll_spans_1"] is True
+    rlb = data["systems"]["rlboost-plus"]
+    ratios = [a / b for a, b in zip(rlb["tokens_per_s_per_seed"], roll["tokens_per_s_per_seed"], strict=True)]
+    assert rlb["vs_roll"] == pytest.approx(sum(ratios) / 2, rel=1e-3)
+    assert data["checks"]["oracle_upper_bound"]["ok"] is True
+    table = cli("sim", "compare", "--scenario", "paper-qwen3-8b-seg1", *TINY, "--seeds", "2")
+    assert table.exit_code == 0 and "95% interval" in table.stdout and "spans 1" in table.stdout
+
+
+def test_one_seed_keeps_the_single_run_figures_without_an_interval(cli):
+    data = json.loads(cli("sim", "run", "--scenario", "paper-qwen3-8b-seg1", "--policy", "roll", *TINY,
+                          "--json").stdout)
+    assert data["tokens_per_s_to_last_step"] >= data["tokens_per_s"]
+    res = cli("sim", "compare", "--scenario", "paper-qwen3-8b-seg1", *TINY, "--seeds", "0")
+    assert res.exit_code == 2 and "--seeds" in res.output
+
+
 def test_compare_table_names_every_system(cli):
     res = cli("sim", "compare", "--scenario", "paper-qwen3-8b-seg1", *TINY)
     assert res.exit_code == 0

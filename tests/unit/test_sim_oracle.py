@@ -72,7 +72,7 @@ def test_the_fleet_is_chosen_before_the_batch_is_dispatched():
 
 def test_the_oracles_first_step_is_no_slower_than_pearls():
     # pearl's first decision is its t=0 fleet; the oracle's t=0 fleet is its best candidate's
-    sc = load_scenario("paper-qwen3-30b-a3b-seg3", ["duration_s=300"])
+    sc = load_scenario("paper-qwen3-30b-a3b-seg3", ["duration_s=700"])  # the first step ends within it
     oracle = search(sc)
     pearl = Simulation(sc, system("pearl").policy(sc))
     pearl.run()
@@ -105,7 +105,10 @@ def test_the_oracle_bounds_every_other_system_on_a_small_scenario():
     assert all(systems["oracle"].tokens_per_s >= r.tokens_per_s for r in systems.values())
     oracle_s, pearl_s = common_mean_makespans(systems["oracle"], systems["pearl"])
     assert oracle_s <= pearl_s  # over the same batches
-    assert systems["pearl"].tokens_per_s > systems["rlboost-plus"].tokens_per_s > systems["roll"].tokens_per_s
+    assert systems["pearl"].tokens_per_s >= systems["rlboost-plus"].tokens_per_s >= systems["roll"].tokens_per_s
+    # the metric moves in whole steps over so short a run (two each); the companion tells them apart
+    companion = {n: r.tokens_per_s_to_last_step for n, r in systems.items()}
+    assert companion["pearl"] > companion["rlboost-plus"] > companion["roll"]
 
 
 def _result(name: str, tokens_per_s: float, training_ends: tuple[float, ...] = ()) -> Result:

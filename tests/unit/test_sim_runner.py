@@ -62,6 +62,21 @@ def test_the_metric_counts_each_trained_batch_once():
                    for t in sample_batch(sc.workload, sc.seed, k))
     assert r.tokens_per_s * sc.duration_s == pytest.approx(expected)
     assert r.rollout_steps >= r.training_steps > 0
+    # the companion: the same tokens over the end time of the last trained step
+    last_end = r.timeline.training_ends[-1]
+    assert len(r.timeline.training_ends) == r.training_steps and last_end <= sc.duration_s
+    assert r.tokens_per_s_to_last_step * last_end == pytest.approx(expected)
+    assert r.tokens_per_s_to_last_step >= r.tokens_per_s
+
+
+def test_the_companion_does_not_jump_with_where_the_run_ends():
+    """One step more or less within the run moves the metric by a whole step's tokens; the companion,
+    a rate up to the last step, moves far less between two run lengths that differ by one step."""
+    short, long_ = (_sim("roll", [f"duration_s={d}"]).run() for d in (1500, 2400))
+    assert long_.training_steps > short.training_steps
+    metric_move = abs(long_.tokens_per_s / short.tokens_per_s - 1)
+    companion_move = abs(long_.tokens_per_s_to_last_step / short.tokens_per_s_to_last_step - 1)
+    assert companion_move < metric_move
 
 
 def test_static_baselines_hold_their_gpus_and_never_reconfigure():
