@@ -32,7 +32,7 @@ from typing import Any
 from aiohttp import web
 from pearl.controlplane.core.catalog import default_catalog
 from pearl.controlplane.core.domain import Role
-from pearl.controlplane.core.perfmodel import PerfModel
+from pearl.controlplane.core.perfmodel import AGENTIC_LOAD, PerfModel
 from pearl.controlplane.weights.files import SnapshotError, load_snapshot, manifest_digest
 
 from .drivers.base import FENCE_HEADER
@@ -434,7 +434,7 @@ def build_app(state: SimState) -> web.Application:
 
 def _perf(cfg: SimConfig) -> PerfModel:
     catalog = default_catalog()
-    return PerfModel(catalog.model(cfg.model), catalog.gpu(cfg.gpu), cfg.tp)
+    return PerfModel(catalog.model(cfg.model), catalog.gpu(cfg.gpu), cfg.tp, AGENTIC_LOAD)
 
 
 async def serve(cfg: SimConfig) -> None:

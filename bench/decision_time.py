@@ -23,15 +23,13 @@ from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
-from pearl.controlplane.core.catalog import default_catalog
 from pearl.controlplane.core.domain import Activity, Role, WorkerZone
 from pearl.controlplane.core.fleet import FleetSnapshot, Target, WorkerSlot
 from pearl.controlplane.core.orchestrator import orchestrate
-from pearl.controlplane.core.perfmodel import PerfModel
 from pearl.controlplane.core.predictor import Config, makespan_colocated_paper, makespan_disaggregated_paper, prepare
 from pearl.controlplane.core.profile import profile_from_workload
 from pearl.controlplane.core.selector import select
-from pearl.sim.scenario import load_scenario
+from pearl.sim.scenario import load_scenario, serving_perf
 
 SCENARIO = Path(__file__).resolve().parents[1] / "sim" / "scenarios" / "paper-qwen3-8b-seg1.yaml"
 TARGET_MS = 100.0
@@ -115,8 +113,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=7)
     args = parser.parse_args()
     sc = load_scenario(SCENARIO)
-    cat = default_catalog()
-    perf = PerfModel(cat.model(sc.model), cat.gpu(sc.gpu), sc.tp)
+    perf = serving_perf(sc)
     prior = profile_from_workload(sc.workload, perf)
     select(prior, 8)  # warm up imports and numpy
     results = [run(int(g), args.repeat, prior, sc.tp) for g in args.gpus.split(",")]

@@ -34,7 +34,7 @@ import numpy as np
 from pearl.controlplane.core.catalog import default_catalog
 from pearl.controlplane.core.domain import Provenance as RowProvenance
 from pearl.controlplane.core.inventory import Inventory, parse_inventory
-from pearl.controlplane.core.perfmodel import PerfModel
+from pearl.controlplane.core.perfmodel import AGENTIC_LOAD, PerfModel
 from pearl.controlplane.core.profile import (
     BATCH_HINT_WORKERS,
     EngineProfile,
@@ -218,10 +218,12 @@ def stored(row: ProfileRow) -> StoredProfile:
 
 
 def catalog_prior(key: ProfileKey, workload: Workload) -> Profile:
-    """The workload prior with the catalog performance model (keyed device "catalog")."""
+    """The workload prior with the catalog performance model as an engine under agentic rollout
+    delivers it (keyed device "catalog"; the simulator's prior too)."""
     def build() -> Profile:
         catalog = default_catalog()
-        return profile_from_workload(workload, PerfModel(catalog.model(key.model), catalog.gpu(key.gpu), key.tp))
+        perf = PerfModel(catalog.model(key.model), catalog.gpu(key.gpu), key.tp, AGENTIC_LOAD)
+        return profile_from_workload(workload, perf)
 
     return _built(json.dumps([repr(key), workload.model_dump(mode="json")], sort_keys=True), build)
 
@@ -250,7 +252,7 @@ def telemetry_prior(key: ProfileKey, step: StepTelemetry) -> Profile:
         levels=levels,
     )
     catalog = default_catalog()
-    perf = PerfModel(catalog.model(key.model), catalog.gpu(key.gpu), key.tp)
+    perf = PerfModel(catalog.model(key.model), catalog.gpu(key.gpu), key.tp, AGENTIC_LOAD)
     engine = engine_from_perf(perf)
     cap = max(t.prompt_tokens + sum(t.gen_tokens) + sum(t.obs_tokens[: t.turns - 1]) for t in ran)
     draft = Profile(ProfileKey(key.model, key.gpu, key.tp, "catalog"), Provenance.CATALOG, step.batch_size,
