@@ -46,6 +46,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 from pearl.controlplane.core.domain import Role
+from pearl.controlplane.core.routing import REBALANCE_MIN_EXTRA, REBALANCE_RATIO
 
 from .drivers.process import free_port
 
@@ -64,6 +65,13 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
+# The routers balance at the scale of a rollout batch, as the simulator's router does
+# (controlplane/core/routing.py): with SGLang's defaults, newly admitted workers would stay idle for
+# the rest of the step, the batch's turns sticking to the workers that hold their prefixes.
+REBALANCE_ARGS = ("--balance-abs-threshold", str(REBALANCE_MIN_EXTRA - 1),  # the router's test is strict
+                  "--balance-rel-threshold", str(REBALANCE_RATIO))
+
+
 @dataclass
 class FrontDoorConfig:
     port: int
@@ -76,7 +84,7 @@ class FrontDoorConfig:
     request_timeout_s: float = 3600.0
     register_timeout_s: float = 30.0
     python: str = sys.executable
-    router_args: tuple[str, ...] = ("--log-level", "warn")
+    router_args: tuple[str, ...] = ("--log-level", "warn", *REBALANCE_ARGS)
 
 
 @dataclass

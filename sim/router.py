@@ -5,20 +5,19 @@ worker when split) while that worker is admitted, so it prefills only what is ne
 the holder is much busier than the least loaded worker, to the least loaded one, where it prefills
 its whole context. Moving costs a re-prefill, so it happens only when the holder carries at least
 `REBALANCE_MIN_EXTRA` more live trajectories and `REBALANCE_RATIO` times as many as the least loaded
-worker: this is how newly admitted workers take their share of a batch already in flight (the
-cache-aware routing of SGLang's router, with thresholds scaled to a rollout batch). A split fleet's
+worker (`controlplane/core/routing.py`): this is how newly admitted workers take their share of a
+batch already in flight (the cache-aware routing of SGLang's router, with thresholds scaled to a
+rollout batch). A split fleet's
 decode worker is the least loaded at each turn (the decode side keeps no prefix across turns).
 """
 
 from __future__ import annotations
 
 from pearl.controlplane.core.domain import Role
+from pearl.controlplane.core.routing import REBALANCE_MIN_EXTRA, REBALANCE_RATIO
 
 from .engine import Engine
 from .trajectories import Trajectory
-
-REBALANCE_MIN_EXTRA = 2  # live trajectories more than the least loaded worker, at least
-REBALANCE_RATIO = 1.5  # and this many times as many
 
 
 class Router:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from datetime import datetime
 
 from pearl.controlplane.core.domain import Activity, GPUState, LeaseKind, NodeZone
 from pearl.controlplane.errors import BadInput
@@ -151,17 +152,28 @@ def borrowed_worker_admitted(session: Session, worker_id: int) -> None:
     _leases_of(session, worker_id, Lease.active_at.is_(None), active_at=_now(session))
 
 
+def borrowed_return_decided(session: Session, worker_ids: set[int], at: datetime) -> None:
+    """The policy decided at `at` to give these workers' borrowed GPUs back: their return is measured
+    from then (the decision's own latency is part of what a return costs live)."""
+    slot = select(GPU.id).where(GPU.slot_id.in_(worker_ids), GPU.zone == NodeZone.TRAINING)
+    session.execute(
+        update(Lease).where(Lease.gpu_id.in_(slot), Lease.kind == LeaseKind.BORROWED, Lease.returned_at.is_(None))
+        .values(return_began_at=func.least(Lease.return_began_at, at))
+        .execution_options(synchronize_session=False)
+    )
+
+
 def borrowed_worker_returned(session: Session, worker_id: int, plan_id: int) -> None:
-    """Its GPUs are back: close the leases (when the return began: the first step of this plan on the
-    worker, a drain usually; how late: past the trainer's request), and start a training step that
-    waited for them."""
+    """Its GPUs are back: close the leases (when the return began: when the policy decided it, else
+    the first step of this plan on the worker, a drain usually; how late: past the trainer's
+    request), and start a training step that waited for them."""
     now = _now(session)
     began = session.scalar(select(func.min(PlanStep.started_at)).where(
         PlanStep.plan_id == plan_id, PlanStep.worker_id == worker_id, PlanStep.started_at.is_not(None))) or now
     slot = select(GPU.id).where(GPU.slot_id == worker_id, GPU.zone == NodeZone.TRAINING)
     session.execute(
         update(Lease).where(Lease.gpu_id.in_(slot), Lease.kind == LeaseKind.BORROWED, Lease.returned_at.is_(None))
-        .values(returned_at=now, return_began_at=func.least(began, now),
+        .values(returned_at=now, return_began_at=func.least(Lease.return_began_at, began, now),
                 late_s=func.greatest(0.0, func.coalesce(func.extract("epoch", now - Lease.deadline), 0.0)))
         .execution_options(synchronize_session=False)
     )

@@ -36,7 +36,7 @@ from typing import Any
 
 from pearl.controlplane.core.domain import Activity, GPUState, NodeZone, PlanStatus, StepAction, StepStatus, WorkerZone
 from pearl.controlplane.errors import PearlError, StalePlan
-from pearl.controlplane.store import agent_registry, plan_store, reaper
+from pearl.controlplane.store import agent_registry, plan_store, reaper, signals
 from pearl.controlplane.store.db import transaction
 from pearl.controlplane.store.schema import GPU, Lease, Plan, PlanStep, Tick, TrainingStep, Worker
 from pearl.policies.live import policy_pass
@@ -90,6 +90,8 @@ def _leader(engine: Engine) -> str:
 
 
 def _pass(engine: Engine, *, holder: str, manual: bool, event: str) -> TickResult:
+    with transaction(engine) as session:  # when this pass saw the state it acts on (the database's clock)
+        seen_at = session.scalar(select(func.pearl_now()))
     reaper.reap(engine, actor=f"reaper in {holder}")
     with transaction(engine, isolation_level="REPEATABLE READ") as session:
         applying = session.scalars(select(Plan).where(Plan.status == PlanStatus.APPLYING)).first()
@@ -110,6 +112,7 @@ def _pass(engine: Engine, *, holder: str, manual: bool, event: str) -> TickResul
                   + (f" ({sorted(uncovered)} must)" if uncovered else f": {planned.target.reason}"))
         with transaction(engine, actor=holder, reason=reason[:500]) as session:
             amended = plan_store.amend_release(session, applying.id, leave, reason)
+            signals.borrowed_return_decided(session, set(amended.release), seen_at)
         return TickResult(False, f"amended plan {applying.id}: {reason}; releasing {list(amended.release)}, "
                                  f"{len(amended.cancelled)} step(s) cancelled", plan=applying.id, applied=True,
                           amended=applying.id, recheck_remaining=planned.target.recheck_remaining)
@@ -136,6 +139,9 @@ def _pass(engine: Engine, *, holder: str, manual: bool, event: str) -> TickResul
         if not manual or forced:
             try:
                 plan_store.apply(engine, planned.plan_id, actor=holder)
+                if planned.plan.remove:
+                    with transaction(engine, actor=holder) as session:
+                        signals.borrowed_return_decided(session, set(planned.plan.remove), seen_at)
                 applied, note = True, f"plan {planned.plan_id} applied" + (
                     f" (urgent: workers {sorted(forced)} must leave)" if forced else "")
             except PearlError as exc:  # stale by now: the next pass decides again
