@@ -71,7 +71,7 @@ class ComponentDied(PearlError):
 @dataclass
 class DemoConfig:
     scenario: str = DEFAULT_SCENARIO
-    speed: float = 15.0  # model seconds per wall second
+    speed: float = 10.0  # model seconds per wall second
     duration_s: float | None = None  # model seconds; None: the scenario's
     simulate: bool = True  # run the simulator beside (the `systems` and `simulated_tokens_per_s`)
     loop_interval_s: float = 1.0

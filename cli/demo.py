@@ -23,7 +23,7 @@ def demo(
     scenario: Annotated[str, typer.Option("--scenario", help="A scenario file or a shipped name.")]
     = "demo-qwen3-30b-a3b-seg2",
     speed: Annotated[float, typer.Option("--speed", help="Model seconds per wall second (time compression).")]
-    = 15.0,
+    = 10.0,
     duration: Annotated[float | None, typer.Option(
         "--duration", help="Model seconds to run (default: the scenario's duration_s).")] = None,
     simulate: Annotated[bool, typer.Option("--simulate/--no-simulate",
