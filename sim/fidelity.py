@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from pearl.controlplane.core import perfmodel
 from pearl.controlplane.core.predictor import Config
 
-from . import engine
 from . import scenario as scenario_module
 from .ratio import _Recorded, static_policy, with_workers
 from .scenario import load_scenario
@@ -120,14 +119,14 @@ def figures(extra: list[str] | None = None) -> dict:
 def _engine_before() -> Iterator[None]:
     """The engine before the fit: kernel speed for decode and prefill, MoE experts at 0.25, each turn
     reusing its whole cached context."""
-    saved = perfmodel.MOE_EXPERT_BW_EFFICIENCY, scenario_module.AGENTIC_LOAD, engine.TURN_PREFIX_REUSE
+    saved = perfmodel.MOE_EXPERT_BW_EFFICIENCY, scenario_module.AGENTIC_LOAD, perfmodel.TURN_PREFIX_REUSE
     perfmodel.MOE_EXPERT_BW_EFFICIENCY = BEFORE_MOE_EXPERT_BW_EFFICIENCY
     scenario_module.AGENTIC_LOAD = perfmodel.KERNEL
-    engine.TURN_PREFIX_REUSE = 1.0
+    perfmodel.TURN_PREFIX_REUSE = 1.0
     try:
         yield
     finally:
-        perfmodel.MOE_EXPERT_BW_EFFICIENCY, scenario_module.AGENTIC_LOAD, engine.TURN_PREFIX_REUSE = saved
+        perfmodel.MOE_EXPERT_BW_EFFICIENCY, scenario_module.AGENTIC_LOAD, perfmodel.TURN_PREFIX_REUSE = saved
 
 
 def before() -> dict:

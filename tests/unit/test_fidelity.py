@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 from pearl.controlplane.core import perfmodel
-from pearl.sim import engine, fidelity
+from pearl.sim import fidelity
 
 pytestmark = pytest.mark.unit
 
@@ -66,7 +66,7 @@ def test_fig2c_split_against_colocated_over_batch_size():
 def test_the_fit_is_frozen_within_its_ranges():
     for value, (low, high) in ((perfmodel.AGENTIC_DECODE_EFFICIENCY, perfmodel.AGENTIC_DECODE_EFFICIENCY_RANGE),
                                (perfmodel.AGENTIC_PREFILL_EFFICIENCY, perfmodel.AGENTIC_PREFILL_EFFICIENCY_RANGE),
-                               (engine.TURN_PREFIX_REUSE, (0.0, 1.0))):
+                               (perfmodel.TURN_PREFIX_REUSE, perfmodel.TURN_PREFIX_REUSE_RANGE)):
         assert low <= value <= high
     # the MoE experts stream at the measured kernel efficiency (H200 fused MoE: 0.54-0.67)
     assert 0.54 <= perfmodel.MOE_EXPERT_BW_EFFICIENCY <= 0.67
