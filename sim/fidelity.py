@@ -172,6 +172,12 @@ class Dimension:
             return self.low * (self.high / self.low) ** u
         return self.low + u * (self.high - self.low)
 
+    def where(self, value: float) -> float:
+        """The inverse of `at`: where `value` lies in [0, 1] of the range."""
+        if self.log:
+            return math.log(value / self.low) / math.log(self.high / self.low)
+        return (value - self.low) / (self.high - self.low)
+
 
 def _lognormal_mean(median: float, sigma: float) -> float:
     return median * math.exp(sigma * sigma / 2)
@@ -196,19 +202,30 @@ def scan_space() -> tuple[Dimension, ...]:
     )
 
 
-def latin_hypercube(n: int, dims: tuple[Dimension, ...], seed: int) -> list[dict[str, float]]:
+def latin_hypercube(n: int, dims: tuple[Dimension, ...], seed: int, span: float = 1.0) -> list[dict[str, float]]:
     """n settings: along every dimension exactly one falls in each of n equal slices of its range
-    (of its log range where `log`), at a random place in it; the slices are paired at random."""
+    (of its log range where `log`), at a random place in it; the slices are paired at random. With
+    `span` < 1 the ranges shrink to that share of themselves around the fitted values (clipped to
+    the range): a local hypercube."""
     if n < 1:
         raise ValueError(f"points: must be >= 1, got {n}")
+    if not 0 < span <= 1:
+        raise ValueError(f"span: must be in (0, 1], got {span}")
     rng = np.random.default_rng(seed)
-    columns = {d.name: [d.at(u) for u in (rng.permutation(n) + rng.random(n)) / n] for d in dims}
+    columns = {}
+    for d in dims:
+        lo = min(max(d.where(d.fitted) - span / 2, 0.0), 1.0 - span)
+        columns[d.name] = [d.at(lo + span * u) for u in (rng.permutation(n) + rng.random(n)) / n]
     return [{name: float(col[i]) for name, col in columns.items()} for i in range(n)]
 
 
-def scan_points(n: int, seed: int = 1) -> list[dict]:
-    """The fit itself, each parameter alone at both ends of its range, then `n` Latin-hypercube
-    settings; each as {"kind", "setting"}."""
+LOCAL_SPAN = 0.3  # the local hypercube covers this share of every range around the fit
+
+
+def scan_points(n: int, seed: int = 1, local: int = 0) -> list[dict]:
+    """The fit itself, each parameter alone at both ends of its range, `n` Latin-hypercube settings
+    over the whole ranges and `local` over LOCAL_SPAN of them around the fit; each as {"kind",
+    "setting"}."""
     dims = scan_space()
     fitted = {d.name: d.fitted for d in dims}
     points = [{"kind": "fitted", "setting": fitted}]
@@ -216,6 +233,9 @@ def scan_points(n: int, seed: int = 1) -> list[dict]:
         for end in (d.low, d.high):
             points.append({"kind": f"{d.name}={end:g}", "setting": {**fitted, d.name: end}})
     points += [{"kind": "latin-hypercube", "setting": s} for s in latin_hypercube(n, dims, seed)] if n else []
+    if local:
+        points += [{"kind": "local-hypercube", "setting": s}
+                   for s in latin_hypercube(local, dims, seed + 1, LOCAL_SPAN)]
     return points
 
 
@@ -249,9 +269,9 @@ def engine_setting(setting: dict[str, float]) -> Iterator[None]:
         scenario_module.AGENTIC_LOAD, perfmodel.TURN_PREFIX_REUSE = saved
 
 
-def evaluate(setting: dict[str, float], with_fig2c: bool = True) -> dict:
-    """Fig. 2a, 2b and (with_fig2c) 2c at a setting."""
-    extra = workload_overrides(setting)
+def evaluate(setting: dict[str, float], with_fig2c: bool = True, seed: int | None = None) -> dict:
+    """Fig. 2a, 2b and (with_fig2c) 2c at a setting (on the scenario's seed, or `seed`)."""
+    extra = workload_overrides(setting) + ([f"seed={seed}"] if seed is not None else [])
     with engine_setting(setting):
         out = {"fig2a": fig2a(extra)}
         if with_fig2c:
@@ -261,10 +281,10 @@ def evaluate(setting: dict[str, float], with_fig2c: bool = True) -> dict:
     return out
 
 
-def evaluate_fig2c(setting: dict[str, float]) -> dict:
+def evaluate_fig2c(setting: dict[str, float], seed: int | None = None) -> dict:
     """Fig. 2c alone at a setting (~7x the cost of Fig. 2a and 2b together)."""
     with engine_setting(setting):
-        return fig2c(workload_overrides(setting))[0]
+        return fig2c(workload_overrides(setting) + ([f"seed={seed}"] if seed is not None else []))[0]
 
 
 def held_broken(figs: dict) -> list[str]:

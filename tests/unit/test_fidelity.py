@@ -94,14 +94,28 @@ def test_the_latin_hypercube_puts_one_setting_in_each_slice_of_every_range():
         fidelity.latin_hypercube(0, dims, seed=3)
 
 
+def test_the_local_hypercube_stays_within_its_span_around_the_fit():
+    dims = fidelity.scan_space()
+    settings = fidelity.latin_hypercube(6, dims, seed=4, span=0.3)
+    for d in dims:
+        u = [d.where(s[d.name]) for s in settings]
+        lo = min(max(d.where(d.fitted) - 0.15, 0.0), 0.7)  # clipped to the range, 0.3 wide
+        assert all(lo - 1e-9 <= x <= lo + 0.3 + 1e-9 for x in u), d.name
+        assert sorted(int((x - lo) / 0.3 * 6) for x in u) == list(range(6)), d.name
+        assert d.where(d.at(0.37)) == pytest.approx(0.37)
+    with pytest.raises(ValueError, match="span"):
+        fidelity.latin_hypercube(4, dims, seed=4, span=0.0)
+
+
 def test_the_scan_space_is_section_1s_ranges_around_the_fit():
     dims = {d.name: d for d in fidelity.scan_space()}
     assert dims["decode_efficiency"].fitted == perfmodel.AGENTIC_DECODE_EFFICIENCY
     assert (dims["turn_prefix_reuse"].low, dims["turn_prefix_reuse"].high) == perfmodel.TURN_PREFIX_REUSE_RANGE
     for d in dims.values():
         assert d.low <= d.fitted <= d.high, d.name
-    points = fidelity.scan_points(5)
-    assert points[0]["kind"] == "fitted" and len(points) == 1 + 2 * len(dims) + 5
+    points = fidelity.scan_points(5, local=3)
+    assert points[0]["kind"] == "fitted" and len(points) == 1 + 2 * len(dims) + 5 + 3
+    assert [p["kind"] for p in points[-8:]] == ["latin-hypercube"] * 5 + ["local-hypercube"] * 3
     # each one-at-a-time point moves exactly one parameter to one end of its range
     for p in points[1:1 + 2 * len(dims)]:
         moved = [k for k, v in p["setting"].items() if v != points[0]["setting"][k]]
