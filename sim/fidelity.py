@@ -287,6 +287,21 @@ def evaluate_fig2c(setting: dict[str, float], seed: int | None = None) -> dict:
         return fig2c(workload_overrides(setting) + ([f"seed={seed}"] if seed is not None else []))[0]
 
 
+def mean_figures(runs: list[dict]) -> dict:
+    """The figures averaged over runs (of one setting on several seeds): every number is the mean,
+    a best ratio the one most runs give (the first of them on a tie)."""
+    def mean(values: list) -> object:
+        first = values[0]
+        if isinstance(first, dict):
+            return {k: mean([v[k] for v in values]) for k in first}
+        if isinstance(first, list | tuple):
+            return type(first)(mean(list(col)) for col in zip(*values, strict=True))
+        if isinstance(first, str):
+            return max(values, key=values.count)
+        return round(statistics.fmean(values), 4)
+    return mean(runs)
+
+
 def held_broken(figs: dict) -> list[str]:
     """The figures the frozen fit reaches (Fig. 2a's scale, Fig. 2b) that these figures miss by more
     than TOLERANCE, by name."""

@@ -199,3 +199,16 @@ def test_the_scans_fitted_setting_is_the_frozen_model(fig2a):
     figs = fidelity.evaluate(fitted, with_fig2c=False)
     assert figs["fig2a"] == fig2a
     assert figs["fig2b"] == fidelity.fig2b()
+
+
+def test_figures_over_seeds_average_the_numbers_and_take_the_commonest_ratio():
+    runs = [_paper_figures() for _ in range(3)]
+    for run, fall, ratio in zip(runs, (0.02, 0.04, 0.09), ("3P5D", "2P6D", "3P5D"), strict=True):
+        run["fig2a"]["fall_16_24"] = fall
+        run["fig2c"]["best_ratio"][48] = ratio
+    mean = fidelity.mean_figures(runs)
+    assert mean["fig2a"]["fall_16_24"] == pytest.approx(0.05)
+    assert mean["fig2c"]["best_ratio"][48] == "3P5D"
+    assert mean["fig2a"]["rollout_over_training"] == PAPER["fig2a"]["rollout_over_training"]
+    assert mean["fig2a"]["makespan_s"] == PAPER["fig2a"]["makespan_s"]
+    assert fidelity.held_broken(mean) == []
