@@ -1,8 +1,8 @@
 """Can the free parameters reach the calibration figures the fit misses? One JSON object.
 
-The fit (docs/fidelity.md, sections 2-4) reaches Fig. 2a's scale and Fig. 2b but not Fig. 2a's
+The frozen fit of docs/fidelity.md reaches Fig. 2a's scale and Fig. 2b but not Fig. 2a's
 falls with more GPUs nor Fig. 2c's split-against-colocated over batch size. This scans every free
-parameter of section 1 over its documented range (`sim/fidelity.py`, `scan_space`) in two stages:
+parameter of its plan over its documented range (`sim/fidelity.py`, `scan_space`) in two stages:
 
 1. Fig. 2a and 2b (~2 s of one core each) at the fit itself, at each parameter alone at both ends
    of its range, at a Latin hypercube of `--points` settings over all seven ranges together, and
