@@ -13,13 +13,13 @@ import json
 import time
 
 from pearl.controlplane.core import perfmodel
-from pearl.sim import engine, fidelity
+from pearl.sim import fidelity
 
 PARAMETERS = {
     "agentic_decode_efficiency": (perfmodel.AGENTIC_DECODE_EFFICIENCY, perfmodel.AGENTIC_DECODE_EFFICIENCY_RANGE),
     "agentic_prefill_efficiency": (perfmodel.AGENTIC_PREFILL_EFFICIENCY,
                                    perfmodel.AGENTIC_PREFILL_EFFICIENCY_RANGE),
-    "turn_prefix_reuse": (engine.TURN_PREFIX_REUSE, (0.0, 1.0)),
+    "turn_prefix_reuse": (perfmodel.TURN_PREFIX_REUSE, perfmodel.TURN_PREFIX_REUSE_RANGE),
     "moe_expert_bw_efficiency (measured, not fitted)": (perfmodel.MOE_EXPERT_BW_EFFICIENCY, (0.54, 0.67)),
 }
 

@@ -8,10 +8,11 @@ predictor's MAPE beside the paper's formulas', and the paper's own selected and 
 what that ratio measures here. Target: selected = empirical best in at least 5 of
 the 6 settings, gap <= 1%.
 
-The paper's splits won because every turn re-prefilled its whole context; here every system routes
-a trajectory's turns to the worker that holds its prefix, so a turn prefills only what is new and
-the case for splitting is much weaker. Neither the simulator nor the selector is tuned to imitate
-the paper: where the results differ, they are reported as they are.
+Every system routes a trajectory's turns to the worker that holds its prefix, where a turn reuses
+the prompt and `perfmodel.TURN_PREFIX_REUSE` of the rest (0 as calibrated: it prefills its context
+after the prompt again), in the simulated engine and in the predictor alike. Neither the simulator
+nor the selector is tuned to imitate the paper: where the results differ, they are reported as
+they are.
 """
 
 from __future__ import annotations

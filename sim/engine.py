@@ -30,6 +30,7 @@ import heapq
 import math
 from collections import deque
 
+from pearl.controlplane.core import perfmodel
 from pearl.controlplane.core.domain import Role
 from pearl.controlplane.core.perfmodel import PerfModel
 
@@ -117,14 +118,6 @@ class EngineTiming:
         tokens = sum(n for n, _ in chunks)
         att = sum(self.perf.prefill_attention_time(n, before) for n, before in chunks)
         return self.perf.iteration_time(prefill_tokens=tokens, prefill_attention_s=att)
-
-
-# How much of a trajectory's cached context its next turn still matches beyond the prompt (a frozen fit,
-# docs/fidelity.md; range 0-1). SGLang's radix cache matches token prefixes; Qwen3's chat template
-# renders earlier assistant turns without their reasoning (`<think>`) block, so in thinking mode the
-# next turn's tokens leave the cached sequence at the first assistant turn and only the prompt (shared
-# by the GRPO group) is reused: 0. A template that re-renders every turn verbatim reuses it all: 1.
-TURN_PREFIX_REUSE = 0.0
 
 
 class Engine:
@@ -421,7 +414,7 @@ class Engine:
         if self.prefix_cache:
             prompt = req.traj.prompt
             own = self.kv.hit(req.traj.id)
-            reused = prompt + TURN_PREFIX_REUSE * (own - prompt) if own > prompt else own
+            reused = perfmodel.reusable_prefix(own, prompt, perfmodel.TURN_PREFIX_REUSE)  # docs/fidelity.md
             cached = max(int(reused), self.kv.hit(group_key(req.traj.group)))
         own = req.traj.id if req.traj.id in self.kv.cached else None
         extra = 0 if self.role is Role.PREFILL else int(growth + self.ratio * min(req.max_new, CLIP_MAX_NEW_TOKENS))

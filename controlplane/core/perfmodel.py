@@ -100,6 +100,22 @@ AGENTIC_PREFILL_EFFICIENCY_RANGE = (0.25, 0.80)
 KERNEL = ServingEfficiency()
 AGENTIC_LOAD = ServingEfficiency(AGENTIC_DECODE_EFFICIENCY, AGENTIC_PREFILL_EFFICIENCY)
 
+# How much of a trajectory's cached context its next turn still matches beyond the prompt (a frozen fit,
+# docs/fidelity.md; range 0-1). SGLang's radix cache matches token prefixes; Qwen3's chat template
+# renders earlier assistant turns without their reasoning (`<think>`) block, so in thinking mode the
+# next turn's tokens leave the cached sequence at the first assistant turn and only the prompt (shared
+# by the GRPO group) is reused: 0. A template that re-renders every turn verbatim reuses it all: 1.
+# The simulated engine (sim/engine.py) and the predictor's prior (`profile.engine_from_perf`) read it.
+TURN_PREFIX_REUSE = 0.0
+TURN_PREFIX_REUSE_RANGE = (0.0, 1.0)
+
+
+def reusable_prefix(cached: float, prompt: float, reuse: float) -> float:
+    """Tokens of a trajectory's `cached` context its next turn reuses: the prompt, then `reuse` of the
+    rest. Numbers or numpy arrays alike (min(cached, prompt) written with abs for both)."""
+    head = (cached + prompt - abs(cached - prompt)) / 2
+    return head + reuse * (cached - head)
+
 
 @dataclass(frozen=True)
 class PerfModel:

@@ -18,11 +18,13 @@ k's load comes from alive(k) = B * P(turns > k) trajectories of mean context ctx
 and the makespan is the expected maximum of B draws of T_j (`profile.expected_max`). This models:
 - the long tail: late rounds have few trajectories alive, so their iterations cost ~A, not A + bB/N;
   the turns of the slowest trajectory are the maximum of B draws, context cap included;
-- the prefix cache: a turn prefills only its new tokens on the worker that holds its prefix (sticky
-  routing); the whole context again when the prefix was evicted (miss rate from the cached
-  footprint over the KV capacity). In split mode the prefill worker never computed the previous
-  turn's generated tokens, so each turn prefills them too, and the decode worker receives the
-  whole context's KV;
+- the prefix cache, as the simulated engine reuses it: on the worker that holds its prefix (sticky
+  routing) a turn reuses the prompt and `turn_prefix_reuse` of the rest of its cached context
+  (`perfmodel.TURN_PREFIX_REUSE`: 0 when the chat template drops earlier reasoning, 1 when it
+  re-renders every turn verbatim) and prefills the rest and its new tokens; the reusable part too
+  when the prefix was evicted (miss rate from the cached footprint over the KV capacity). In split
+  mode the prefill worker never computed the previous turn's generated tokens, so each turn
+  prefills them too, and the decode worker receives the whole context's KV;
 - KV transfer contention: the trajectories of a prefill worker share its NICs (M/D/1 wait), and a
   round cannot be shorter than the prefill or NIC work of the busiest prefill worker (stall);
 - KV capacity: a decode worker runs at most capacity/ctx sequences at once; the rest queue (q_k).
@@ -40,6 +42,7 @@ from typing import Any
 
 import numpy as np
 from pearl.controlplane.core.domain import Mode, Role
+from pearl.controlplane.core.perfmodel import reusable_prefix
 from pearl.controlplane.core.profile import Profile, TrajectorySample
 from pearl.controlplane.errors import BadInput
 
@@ -177,10 +180,10 @@ class _Rows:
     gen: np.ndarray  # G[j,k]: tokens generated in turn k
     turn: np.ndarray  # I[j,k]: 1 where turn k exists
     env_turn: np.ndarray  # environment time after turn k
-    pre_colocated: np.ndarray  # prefill of turn k's new tokens, prefix cached (colocated)
+    pre_colocated: np.ndarray  # prefill of turn k on a prefix hit: what is not reused, then the new tokens
     pre_split: np.ndarray  # the same in split mode (previous turn's generation included)
-    miss_tokens: np.ndarray  # CB[j,k]: context to re-prefill on a prefix miss (times t_p0)
-    miss_attention: np.ndarray  # CB^2/2 (times t_pc)
+    reusable_colocated: np.ndarray  # CB[j,k]: the reusable context, prefilled again on a miss (times t_p0)
+    reusable_split: np.ndarray  # the same in split mode (the prefill worker's cache)
     transfer: np.ndarray  # KV transfer of the context after turn k's prefill (split)
 
     def take(self, idx: np.ndarray) -> _Rows:
@@ -194,9 +197,9 @@ class Workbook:
     profile: Profile
     rows: _Rows  # all K sampled trajectories
     lead: _Rows  # the rows that can be among the slowest of B under any configuration
-    lead_matrix: np.ndarray  # [G | CB | CB^2/2 | I] of the lead rows: pass 1 is one product with it
+    lead_matrix: dict[bool, np.ndarray]  # per split flag: [G | CB | CB^2/2 | I] of the lead rows (pass 1's product)
     lead_constant: dict[bool, np.ndarray]  # per split flag: what no configuration changes (prefill, env, ...)
-    rows_matrix: np.ndarray  # the same for all rows (the completion times pass 2 reads its load from)
+    rows_matrix: dict[bool, np.ndarray]  # the same for all rows (the completion times pass 2 reads its load from)
     rows_constant: dict[bool, np.ndarray]
     lead_weights: np.ndarray  # rank weights of the expected maximum for the lead rows (ranked last)
     weights: np.ndarray  # (K,) rank weights of the expected maximum of B draws
@@ -239,18 +242,25 @@ def _workbook(profile: Profile, s: TrajectorySample, batch: bool) -> Workbook:
     ctx_end = (np.cumsum(new, axis=1) + np.cumsum(s.gen, axis=1) - s.gen) * turn  # after turn k's prefill
     ctx_before = ctx_end - new
     new_split = (new + np.pad(s.gen[:, :-1], ((0, 0), (1, 0)))) * turn  # the prefill worker never saw them
+    cached_split = ctx_end - new_split  # what the prefill worker cached of the context (before the last turn's tokens)
+    reusable = {split: reusable_prefix(own, s.prompt[:, None], e.turn_prefix_reuse) * turn
+                for split, own in ((False, ctx_before), (True, cached_split))}
 
     def prefill(tokens: np.ndarray) -> np.ndarray:
         return e.prefill_s_per_token * tokens + e.prefill_s_per_token_per_ctx * tokens * ctx_before
+
+    def again(own: np.ndarray, kept: np.ndarray) -> np.ndarray:
+        """Prefill of the cached context beyond the reused part, `kept` tokens before it."""
+        return e.prefill_s_per_token * (own - kept) + e.prefill_s_per_token_per_ctx * (own**2 - kept**2) / 2
 
     rows = _Rows(
         gen=s.gen,
         turn=turn,
         env_turn=s.env,
-        pre_colocated=prefill(new),
-        pre_split=prefill(new_split),
-        miss_tokens=ctx_before,
-        miss_attention=ctx_before**2 / 2,
+        pre_colocated=prefill(new) + again(ctx_before, reusable[False]),
+        pre_split=prefill(new_split) + again(cached_split, reusable[True]),
+        reusable_colocated=reusable[False],
+        reusable_split=reusable[True],
         transfer=e.kv_transfer_s(ctx_end) * turn,
     )
     count = turn.sum(axis=0)
@@ -266,7 +276,7 @@ def _workbook(profile: Profile, s: TrajectorySample, batch: bool) -> Workbook:
         lead.update(np.argpartition(t, k_n - top)[k_n - top :].tolist())
     lead_idx = np.array(sorted(lead))
     lr = rows.take(lead_idx)
-    matrix = np.hstack([rows.gen, rows.miss_tokens, rows.miss_attention, rows.turn])
+    matrix = {split: np.hstack([rows.gen, cb, cb**2 / 2, rows.turn]) for split, cb in reusable.items()}
     env = rows.env_turn.sum(axis=1)  # T_over is in the per-turn `extra` cost
     constant = {
         False: rows.pre_colocated.sum(axis=1) + env,
@@ -278,7 +288,7 @@ def _workbook(profile: Profile, s: TrajectorySample, batch: bool) -> Workbook:
         profile=profile,
         rows=rows,
         lead=lr,
-        lead_matrix=matrix[lead_idx],
+        lead_matrix={split: m[lead_idx] for split, m in matrix.items()},
         lead_constant={split: c[lead_idx] for split, c in constant.items()},
         rows_matrix=matrix,
         rows_constant=constant,
@@ -294,6 +304,10 @@ def _workbook(profile: Profile, s: TrajectorySample, batch: bool) -> Workbook:
             "ctx_end": mean(ctx_end),
             "new_colocated": mean(new),
             "new_split": mean(new_split),
+            "again_colocated": mean(ctx_before - reusable[False]),  # prefilled again on a hit
+            "again_split": mean(cached_split - reusable[True]),
+            "reusable_colocated": mean(reusable[False]),  # prefilled again on a miss too
+            "reusable_split": mean(reusable[True]),
             "env": mean(s.env),
             "transfer": mean(e.kv_transfer_s(ctx_end)),
         },
@@ -320,7 +334,7 @@ def _round_costs(wb: Workbook, split: bool, st: dict, alive: Any, n1: Any, n2: A
     if not split:
         m = 1 + (alive - 1) / n1  # trajectories on a worker (sticky routing, even spread)
         miss = np.clip(1 - cap / (m * st["ctx_end"]), 0.0, 1.0)
-        pre = (st["new_colocated"] + miss * st["ctx_before"]) * tp
+        pre = _turn_prefill_tokens(st, split, miss) * tp
         dec = 1 + f * (m - 1)
         queue = np.maximum(1.0, dec * ctx / cap)  # KV admission: capacity/ctx sequences run at once
         per_token = e.decode_iteration_s(dec / queue, ctx) * queue
@@ -330,7 +344,7 @@ def _round_costs(wb: Workbook, split: bool, st: dict, alive: Any, n1: Any, n2: A
         return _Costs(per_token, miss, interference + p.t_over_s, f_new, {"kv_utilisation": dec * ctx / cap})
     m_p = alive / n1  # trajectories per prefill worker (sticky: their prefixes live there)
     miss = np.clip(1 - cap / (m_p * st["ctx_end"]), 0.0, 1.0)
-    pre = (st["new_split"] + miss * st["ctx_before"]) * tp
+    pre = _turn_prefill_tokens(st, split, miss) * tp
     xfer = st["transfer"]
     dec = np.maximum(1.0, 1 + (f * alive - 1) / n2)
     queue = np.maximum(1.0, dec * ctx / cap)
@@ -349,6 +363,13 @@ def _round_costs(wb: Workbook, split: bool, st: dict, alive: Any, n1: Any, n2: A
         "prefill_utilisation": load_pre / (rnd + wait),
     }
     return _Costs(per_token, miss, wait + stall + p.t_over_s, f_new, diagnostics)
+
+
+def _turn_prefill_tokens(st: dict, split: bool, miss: Any) -> Any:
+    """Mean tokens a turn prefills: its new tokens, the cached context it does not reuse, and the
+    reusable part on a prefix miss."""
+    mode = "split" if split else "colocated"
+    return st[f"new_{mode}"] + st[f"again_{mode}"] + miss * st[f"reusable_{mode}"]
 
 
 def _md1_wait(rho: np.ndarray, service: np.ndarray) -> np.ndarray:
@@ -409,7 +430,7 @@ def evaluate(
     coefficients = np.vstack(
         [costs.per_token, costs.miss * e.prefill_s_per_token, costs.miss * e.prefill_s_per_token_per_ctx, costs.extra]
     )
-    lead_total = wb.lead_matrix @ coefficients + wb.lead_constant[split][:, None]
+    lead_total = wb.lead_matrix[split] @ coefficients + wb.lead_constant[split][:, None]
     makespan = wb.lead_weights @ np.sort(lead_total, axis=0)
     if refine is None:
         chosen = np.arange(len(n1))
@@ -418,7 +439,7 @@ def evaluate(
     components = {name: np.full(len(n1), np.nan) for name in PARTS}
     tail = np.full(len(n1), np.nan)
     if len(chosen):
-        pass1 = wb.rows_matrix @ coefficients[:, chosen] + wb.rows_constant[split][:, None]
+        pass1 = wb.rows_matrix[split] @ coefficients[:, chosen] + wb.rows_constant[split][:, None]
         now = _boundary(wb, remaining_fraction)
         total, top, parts, at_top = _refine(wb, split, n1[chosen], n2[chosen], f[:, chosen], pass1, now)
         order = np.argsort(total, axis=0, kind="stable")
@@ -483,8 +504,7 @@ def _elapsed(wb: Workbook, split: bool, st: dict, costs: _Costs, remaining_fract
     k, w = _boundary(wb, remaining_fraction)
     if k == 0:
         return np.zeros(costs.per_token.shape[1])
-    pre = st["new_split" if split else "new_colocated"] + costs.miss * st["ctx_before"]
-    pre = pre * wb.profile.engine.prefill_s_per_token_at(st["ctx_before"])
+    pre = _turn_prefill_tokens(st, split, costs.miss) * wb.profile.engine.prefill_s_per_token_at(st["ctx_before"])
     rnd = st["gen"] * costs.per_token + pre + costs.extra + st["env"] + (st["transfer"] if split else 0.0)
     times = np.vstack([np.zeros((1, rnd.shape[1])), np.cumsum(rnd, axis=0)])  # (R+1, C) at each round's end
     return times[k - 1] + w * (times[min(k, len(times) - 1)] - times[k - 1])
@@ -516,6 +536,7 @@ def _refine(
     flat = (grid + offsets[None, :]).T.ravel()
     base = np.arange(c_n) * SURVIVAL_POINTS
     pre = w.pre_split if split else w.pre_colocated
+    reusable = w.reusable_split if split else w.reusable_colocated
     tau = np.zeros((top_n, c_n))
     k_now, w_now = now
     at = np.zeros((top_n, c_n))  # the time each re-timed row reaches boundary `now`
@@ -534,9 +555,7 @@ def _refine(
             "decode_s": w.gen[top, k] * c.per_token,
             "prefill_s": pre[top, k]
             + c.miss
-            * (
-                w.miss_tokens[top, k] * e.prefill_s_per_token + w.miss_attention[top, k] * e.prefill_s_per_token_per_ctx
-            ),
+            * (reusable[top, k] * e.prefill_s_per_token + reusable[top, k] ** 2 / 2 * e.prefill_s_per_token_per_ctx),
             "kv_transfer_s": w.transfer[top, k] if split else np.zeros_like(tau),
             "queue_s": c.extra - p.t_over_s,
             "overhead_s": np.full_like(tau, p.t_over_s),

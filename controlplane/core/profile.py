@@ -9,7 +9,9 @@ Engine. A decode iteration of `n` sequences over a summed context of `n * ctx` t
   T_iter(n, ctx) = base(n) + b_ctx * n * ctx
 exactly as in `PerfModel.iteration_time` (only attention reads the context); `base` is a table over
 batch sizes (a line for dense models, strongly concave for MoE models), linearly interpolated.
-Prefill costs t_p(ctx) = t_p0 + t_pc * ctx per new token after `ctx` cached tokens. The method's
+Prefill costs t_p(ctx) = t_p0 + t_pc * ctx per new token after `ctx` cached tokens. A turn reuses
+the prompt and `turn_prefix_reuse` of the rest of its cached context (`perfmodel.TURN_PREFIX_REUSE`,
+as the simulated engine does); the rest it prefills again. The method's
 A and b are the secant of T_iter around a batch hint at the mean decode context.
 
 Workload. Quantile pools of the prompt, the intended turns, and the tokens generated, tokens
@@ -32,7 +34,8 @@ from statistics import NormalDist
 from typing import Any
 
 import numpy as np
-from pearl.controlplane.core.perfmodel import PerfModel
+from pearl.controlplane.core import perfmodel
+from pearl.controlplane.core.perfmodel import TURN_PREFIX_REUSE, PerfModel
 from pearl.controlplane.core.workload import Workload
 from pearl.controlplane.errors import BadInput
 from pydantic import TypeAdapter, ValidationError
@@ -78,6 +81,7 @@ class EngineProfile:
     kv_bandwidth_bps: float  # BW: bytes/s a worker's NICs move between prefill and decode pools
     kv_setup_s: float  # per-transfer handshake
     kv_capacity_tokens: int  # KV tokens one worker holds
+    turn_prefix_reuse: float = TURN_PREFIX_REUSE  # share of the context beyond the prompt the next turn reuses
 
     def decode_iteration_s(self, batch: Any, ctx_mean: Any) -> Any:
         """T_iter(n, ctx) = base(n) + b_ctx * n * ctx (numpy-broadcastable; base linear between points)."""
@@ -360,6 +364,7 @@ def engine_from_perf(perf: PerfModel) -> EngineProfile:
         kv_bandwidth_bps=perf.model.kv_bytes_per_token / (perf.kv_transfer_time(1.0) - setup),
         kv_setup_s=setup,
         kv_capacity_tokens=perf.kv_capacity_tokens,
+        turn_prefix_reuse=perfmodel.TURN_PREFIX_REUSE,  # read now: the engine's value, whatever it is set to
     )
 
 
@@ -443,6 +448,8 @@ def _check(p: Profile) -> None:
     for name, v in numbers.items():
         if not math.isfinite(v) or v < 0:
             raise BadInput(f"profile: {name} must be a finite number >= 0 ({v})")
+    if not 0 <= e.turn_prefix_reuse <= 1:
+        raise BadInput(f"profile: engine.turn_prefix_reuse must be in [0, 1] ({e.turn_prefix_reuse})")
     if not e.kv_bandwidth_bps > 0:
         raise BadInput("profile: engine.kv_bandwidth_bps must be > 0")
     if not 0 < p.decode_fraction <= 1:

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pearl.controlplane.core import perfmodel
 from pearl.controlplane.core.catalog import default_catalog
 from pearl.controlplane.core.domain import Mode, Role
 from pearl.controlplane.core.perfmodel import PerfModel
@@ -48,6 +49,11 @@ def constant(prior, *, prompt=1000.0, turns=2.0, gen=100.0, obs=50.0, env=1.0, b
     """A profile whose every trajectory is the same (no tail): times can be computed by hand."""
     pools = WorkloadPools((prompt,), (turns,), (gen,), (obs,), (env,))
     return replace(prior, workload=pools, batch_size=batch, max_context_tokens=cap, t_over_s=0.0)
+
+
+def reusing(profile, reuse: float):
+    """The profile with a turn reusing the prompt and `reuse` of the rest of its cached context."""
+    return replace(profile, engine=replace(profile.engine, turn_prefix_reuse=reuse))
 
 
 # -- the paper's formulas ---------------------------------------------------------------------------
@@ -102,13 +108,18 @@ def test_config_shapes_and_labels():
 # -- pearl's model ----------------------------------------------------------------------------------
 
 
-def test_a_lone_trajectory_is_timed_exactly(prior):
-    """B = 1, no tail, no contention: decode at batch 1, prefill of what is new, one environment wait."""
-    p = constant(prior)
+@pytest.mark.parametrize("reuse", [0.0, 0.5, 1.0])
+def test_a_lone_trajectory_is_timed_exactly(prior, reuse):
+    """B = 1, no tail, no contention: decode at batch 1, one environment wait, and prefill as the
+    simulated engine does it: the prompt, then turn 1 reuses the prompt and `reuse` of the 100
+    generated tokens cached after it, and prefills the rest of them and the 50 new ones."""
+    p = reusing(constant(prior), reuse)
     e = p.engine
     pred = predict(p, Config.colocated(1))
     decode = 100 * float(e.decode_iteration_s(1, 1000 + 50)) + 100 * float(e.decode_iteration_s(1, 1150 + 50))
-    prefill = 1000 * e.prefill_s_per_token + 50 * float(e.prefill_s_per_token_at(1100))
+    kept = 1000 + reuse * 100
+    again = (1100 - kept) * e.prefill_s_per_token + (1100**2 - kept**2) / 2 * e.prefill_s_per_token_per_ctx
+    prefill = 1000 * e.prefill_s_per_token + 50 * float(e.prefill_s_per_token_at(1100)) + again
     assert pred.components["decode_s"] == pytest.approx(decode)
     assert pred.components["prefill_s"] == pytest.approx(prefill)
     assert pred.components["env_s"] == pytest.approx(1.0)
@@ -160,12 +171,34 @@ def test_last_trajectory_decodes_nearly_alone(prior):
 
 
 def test_split_prefills_the_previous_generation_and_moves_kv(prior):
-    p = replace(prior, batch_size=16)
+    p = reusing(replace(prior, batch_size=16), 1.0)
     coloc = predict(p, Config.colocated(4))
     split = predict(p, Config.split(1, 3))
     # the prefill worker never computed the last turn's generated tokens: it prefills them too
     assert split.components["prefill_s"] > 1.5 * coloc.components["prefill_s"]
     assert split.components["kv_transfer_s"] > 0 and coloc.components["kv_transfer_s"] == 0
+
+
+def test_with_only_the_prompt_reused_split_and_colocated_prefill_alike(prior):
+    """At reuse 0 a colocated turn prefills its context after the prompt again, generated tokens
+    included, as the prefill worker of a split does: their prefill is the same but for attention
+    approximations, and lighter reuse only adds prefill."""
+    p = reusing(constant(prior, turns=6.0, batch=1), 0.0)
+    coloc = predict(p, Config.colocated(1)).components["prefill_s"]
+    split = predict(p, Config.split(1, 1)).components["prefill_s"]
+    assert split == pytest.approx(coloc, rel=0.05)
+    whole = predict(reusing(p, 1.0), Config.colocated(1)).components["prefill_s"]
+    assert whole < 0.6 * coloc
+    prefill = [predict(reusing(p, r), Config.colocated(1)).components["prefill_s"] for r in (0.0, 0.5, 1.0)]
+    assert prefill[0] > prefill[1] > prefill[2]
+
+
+def test_the_prior_reuses_prefixes_as_the_simulated_engine(perf, monkeypatch):
+    """One source: the catalog prior takes `perfmodel.TURN_PREFIX_REUSE`, which the engine reads."""
+    workload = load_scenario(SCENARIOS / "paper-qwen3-8b-seg1.yaml").workload
+    assert profile_from_workload(workload, perf).engine.turn_prefix_reuse == perfmodel.TURN_PREFIX_REUSE
+    monkeypatch.setattr(perfmodel, "TURN_PREFIX_REUSE", 0.75)
+    assert profile_from_workload(workload, perf).engine.turn_prefix_reuse == 0.75
 
 
 def test_kv_transfer_contention_on_few_prefill_nics(prior):
@@ -177,10 +210,14 @@ def test_kv_transfer_contention_on_few_prefill_nics(prior):
 
 
 def test_prefix_misses_when_the_cache_cannot_hold_the_contexts(prior):
-    small = replace(prior, engine=replace(prior.engine, kv_capacity_tokens=40_000))
+    whole = reusing(prior, 1.0)
+    small = replace(whole, engine=replace(whole.engine, kv_capacity_tokens=40_000))
     many = predict(small, Config.colocated(1))  # 64 contexts of ~16k on one worker's 40k tokens
     assert many.diagnostics["prefix_miss_rate"] > 0.5
-    assert many.components["prefill_s"] > 5 * predict(prior, Config.colocated(1)).components["prefill_s"]
+    assert many.components["prefill_s"] > 5 * predict(whole, Config.colocated(1)).components["prefill_s"]
+    # with only the prompt reusable every turn prefills the rest anyway, and a miss adds the prompt alone
+    hit, miss = (predict(reusing(p, 0.0), Config.colocated(1)).components["prefill_s"] for p in (prior, small))
+    assert hit < miss < 1.5 * hit
 
 
 def test_infeasible_when_a_context_does_not_fit(prior):

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from pearl.controlplane.core import perfmodel
 from pearl.controlplane.core.catalog import default_catalog
 from pearl.controlplane.core.perfmodel import PerfModel
 from pearl.controlplane.core.profile import (
@@ -156,6 +157,12 @@ def test_json_round_trip(prior):
     assert again.S == pytest.approx(prior.S)
 
 
+def test_a_profile_stored_before_the_prefix_reuse_loads_with_the_engines(prior):
+    raw = json.loads(json.dumps(profile_to_dict(prior)))
+    assert raw["engine"].pop("turn_prefix_reuse") == perfmodel.TURN_PREFIX_REUSE
+    assert profile_from_dict(raw).engine.turn_prefix_reuse == perfmodel.TURN_PREFIX_REUSE
+
+
 @pytest.mark.parametrize(
     ("mutate", "message"),
     [
@@ -166,6 +173,9 @@ def test_json_round_trip(prior):
         (lambda d: d["workload"].update(turns=[]), "workload.turns"),
         (lambda d: d["engine"].update(decode_batches=[1, 4, 2]), "engine.decode_batches"),
         (lambda d: d.update(batch_size="many"), "batch_size"),
+        (lambda d: d["engine"].update(turn_prefix_reuse=1.5), "engine.turn_prefix_reuse"),
+        (lambda d: d["engine"].update(turn_prefix_reuse=-0.1), "engine.turn_prefix_reuse"),
+        (lambda d: d["engine"].update(turn_prefix_reuse="some"), "engine.turn_prefix_reuse"),
     ],
 )
 def test_bad_profiles_are_refused_naming_the_field(prior, mutate, message):

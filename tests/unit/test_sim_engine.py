@@ -8,6 +8,7 @@ import math
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pearl.controlplane.core import perfmodel
 from pearl.controlplane.core.catalog import default_catalog
 from pearl.controlplane.core.domain import Role
 from pearl.controlplane.core.perfmodel import PerfModel
@@ -89,10 +90,8 @@ def test_the_next_turn_prefills_only_what_is_new_where_its_prefix_lives(monkeypa
     """With its whole context reusable (TURN_PREFIX_REUSE 1) a turn prefills only the new observation;
     at the frozen value (0: the chat template drops earlier reasoning) only the prompt is reused;
     without a prefix cache everything is prefilled again."""
-    from pearl.sim import engine as engine_module
-
     for cache, reuse, expected in ((True, 1.0, 3000 + 500), (True, 0.0, 3000 + 600), (False, 1.0, 3000 + 3600)):
-        monkeypatch.setattr(engine_module, "TURN_PREFIX_REUSE", reuse)
+        monkeypatch.setattr(perfmodel, "TURN_PREFIX_REUSE", reuse)
         engine = _engine(prefix_cache=cache)
         traj = _traj(0, 3000, [100, 50], [500])
         engine.submit(Request(traj, 1), 0.0)
