@@ -1,6 +1,6 @@
 """Can the free parameters reach the calibration figures the fit misses? One JSON object.
 
-The fit (docs/fidelity.md, sections 2-4) reaches Fig. 2a's scale and Fig. 2b but not Fig. 2a's
+The fit (docs/fidelity.md, "2. The fit (frozen)") reaches Fig. 2a's scale and Fig. 2b but not Fig. 2a's
 falls with more GPUs nor Fig. 2c's split-against-colocated over batch size. This scans every free
 parameter of section 1 over its documented range (`sim/fidelity.py`, `scan_space`) in two stages:
 

@@ -142,7 +142,7 @@ def deviation(paper: float, sim: float) -> float:
     return sim / paper - 1
 
 
-# -- the scan of the free parameters (docs/fidelity.md, section 4) --------------------------------
+# -- the scan of the free parameters (docs/fidelity.md, "4. What the fit cannot reach, and why") --
 #
 # Can any setting of §1's free parameters, each within its documented range, reach a figure the fit
 # misses while it keeps the figures the fit reaches? `scan_points` draws the settings (the fit itself,
@@ -157,8 +157,8 @@ SPLIT_GAIN_POINTS = 0.03  # Fig. 2c's gains straddle zero: reached within 3 poin
 
 @dataclass(frozen=True)
 class Dimension:
-    """One free parameter over its documented range (docs/fidelity.md, section 1); `fitted` is the
-    frozen fit's value; `log`: the range is sampled evenly in log scale."""
+    """One free parameter over its documented range (docs/fidelity.md, "1. The plan (fixed before
+    fitting)"); `fitted` is the frozen fit's value; `log`: the range is sampled evenly in log scale."""
 
     name: str
     low: float
