@@ -133,7 +133,8 @@ def test_a_cpu_measurement_counts_replicated_kv_heads_once() -> None:
     from pearl.controlplane.measure.kernels import MeasureSpec, measure
 
     moe = default_catalog().model("qwen3-30b-a3b")
-    spec = MeasureSpec(device="cpu", scale=0.1, tp=8, max_batch=2, context_tokens=32, chunk_tokens=16, repeats=1)  # heads are kept at any scale
+    # a tenth of the width: the heads are kept at any scale
+    spec = MeasureSpec(device="cpu", scale=0.1, tp=8, max_batch=2, context_tokens=32, chunk_tokens=16, repeats=1)
     result = measure(moe, spec)
     assert (result.shape.q_heads, result.shape.kv_heads) == (4, 1)
     # 8 ranks hold 4 distinct KV heads (each twice): K and V of a token are the model's 4 heads' bytes
