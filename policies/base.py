@@ -39,6 +39,9 @@ class Signals:
     weights_version: int = 0
     plans_in_flight: int = 0  # plans being enacted
     last_training_s: float | None = None  # how long the last optimizer step took
+    # The tails of the latest complete rollout steps (oldest first, a few): for each, how long before
+    # the step's last trajectory finished each of its trajectories did (seconds, ascending; 0 first).
+    step_tails: tuple[tuple[float, ...], ...] = ()
 
     @property
     def remaining_fraction(self) -> float:

@@ -22,7 +22,8 @@ Each call:
    trajectories are no more than the dedicated workers (one each), the overlap workers no longer
    shorten the step and are given back at once, so that the return is done before the step ends and
    the trainer starts on time (invariant 2); the tail starts earlier by the trajectories expected to
-   finish while a return takes (`tail_remaining`); the target asks to be consulted at that point
+   finish while a return takes (`tail_remaining`: at the step's pace, or as fast as the latest
+   steps' ends measured, whichever is more); the target asks to be consulted at that point
    (`Target.recheck_remaining`);
 4. lets the selector pick the configuration for that budget against the current one, with its
    hysteresis (`selector.select`); forced switches (the current shape became infeasible, or
@@ -40,6 +41,7 @@ The ablations are constructor options: `borrow` = gated | never (pearl-pd-only) 
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
@@ -178,15 +180,22 @@ class Assessment:
 RETURN_SHARE = 1.0
 
 
-def tail_remaining(dedicated: int, batch: int, toggle_s: float, step_s: float) -> int:
+def tail_remaining(dedicated: int, batch: int, toggle_s: float, step_s: float,
+                   tails: tuple[tuple[float, ...], ...] = ()) -> int:
     """How many unfinished trajectories mark the tail of a step, when borrowed GPUs go back: one per
     dedicated worker (the overlap workers no longer shorten the step), plus those expected to finish
-    while a return takes (bounded by T_toggle x RETURN_SHARE; the batch finishing at an even pace over
-    the step: B x T_return / T_step, an overestimate, since the tail finishes slower), so the return
-    is done in time."""
-    if not math.isfinite(step_s) or step_s <= 0:
-        return dedicated
-    return dedicated + math.ceil(batch * RETURN_SHARE * toggle_s / step_s)
+    while a return takes (lead L = T_toggle x RETURN_SHARE), so that the return is done in time.
+
+    The expected finishes are the larger of two estimates: the batch finishing at an even pace over
+    the step (B x L / T_step), and what the latest steps measured (`Signals.step_tails`): the largest
+    share of a step's trajectories that finished within L of its end, times B. A batch's trajectories
+    start together and often end together (as the rollout thins out, the last ones decode faster),
+    so the end of a step can run several times faster than its average pace, which the even pace
+    alone misses."""
+    lead = RETURN_SHARE * toggle_s
+    paced = math.ceil(batch * lead / step_s) if math.isfinite(step_s) and step_s > 0 else 0
+    measured = max((-(-batch * bisect.bisect_right(t, lead) // len(t)) for t in tails if t), default=0)
+    return dedicated + max(paced, measured)
 
 
 @dataclass(frozen=True)
@@ -253,7 +262,7 @@ class PearlPolicy:
             # wake the policy at the tail of the step to give the borrowed GPUs back in time
             step_s = a.with_overlap.step_s if a.with_overlap is not None else math.inf
             target = replace(target, recheck_remaining=tail_remaining(
-                len(a.dedicated), signals.batch_size, memory.toggle.seconds, step_s))
+                len(a.dedicated), signals.batch_size, memory.toggle.seconds, step_s, signals.step_tails))
         return target, _record(memory, signals, option.config if option is not None else None)
 
     def assess(self, snapshot: FleetSnapshot, signals: Signals, memory: PearlMemory) -> Assessment:
@@ -295,8 +304,8 @@ class PearlPolicy:
         holding = any(w.id in ids and w.activity is not Activity.INACTIVE for w in snapshot.workers)
         # the tail, when borrowed workers go back; held ones early enough for their return to finish
         step_s = with_overlap.step_s if with_overlap is not None else math.inf
-        tail = tail_remaining(len(dedicated), signals.batch_size, memory.toggle.seconds, step_s) if holding \
-            else len(dedicated)
+        tail = tail_remaining(len(dedicated), signals.batch_size, memory.toggle.seconds, step_s,
+                              signals.step_tails) if holding else len(dedicated)
         if 0 < signals.remaining <= tail:
             # The tail of the step: the unfinished trajectories fit the dedicated workers one each (or
             # will by the time a return takes), so the overlap workers no longer shorten it; give

@@ -35,6 +35,7 @@ from .workers import Cluster, Worker
 EV_WAKE, EV_ENV, EV_KV, EV_STEP, EV_TRAIN_END, EV_TRACE, EV_DEADLINE, EV_DECIDE = range(8)
 ITERATIONS_PER_TELEMETRY = 64  # engine iteration records sampled into each step's telemetry
 TOGGLE_HISTORY = 8  # borrow cycles whose measured cost the policy sees
+TAIL_HISTORY = 3  # complete rollout steps whose tail (finish times before the end) the policy sees
 
 
 class Simulation:
@@ -71,6 +72,7 @@ class Simulation:
         self.step_begin = 0.0
         self.makespans: list[float] = []
         self.trajectory_durations: list[float] = []  # each finished trajectory: its end - its step's start
+        self.step_tails: tuple[tuple[float, ...], ...] = ()  # Signals.step_tails
         self.borrow: dict[int, list[float]] = {}  # overlap worker -> [bound, admitted, return began]
         self.toggle_costs: list[float] = []
         # metric accumulators
@@ -158,6 +160,7 @@ class Simulation:
             toggle_cycles=len(self.toggle_costs), step_durations=dict(self.executor.durations),
             weights_version=tr.trained, plans_in_flight=len(self.executor.plans),
             last_training_s=(tr.step_times[-1][1] - tr.step_times[-1][0]) if tr.step_times else None,
+            step_tails=self.step_tails,
         )
 
     def _overlap_free(self) -> bool:
@@ -393,7 +396,10 @@ class Simulation:
     def _rollout_end(self) -> None:
         step = self.trainer.rollout_step
         self._live_change(0, 0)
-        self.makespans.append(self.now - self.step_begin)
+        makespan = self.now - self.step_begin
+        self.makespans.append(makespan)
+        tail = tuple(sorted(makespan - d for d in self.trajectory_durations[-len(self.batch):]))
+        self.step_tails = (*self.step_tails, tail)[-TAIL_HISTORY:]
         self.batch_tokens[step] = sum(t.metric_tokens for t in self.batch)
         self.telemetry = self._step_telemetry(step)
         self.trainer.finish_rollout()

@@ -28,7 +28,16 @@ from datetime import datetime
 
 from pearl.controlplane.core.domain import Activity, GPUState, LeaseKind, NodeZone
 from pearl.controlplane.errors import BadInput
-from pearl.controlplane.store.schema import GPU, Lease, Node, PlanStep, RolloutProgress, TrainingStep, Worker
+from pearl.controlplane.store.schema import (
+    GPU,
+    Event,
+    Lease,
+    Node,
+    PlanStep,
+    RolloutProgress,
+    TrainingStep,
+    Worker,
+)
 from pearl.controlplane.store.transitions import lock_fleet, set_gpu_states
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
@@ -194,6 +203,30 @@ def rollout_position(session: Session) -> tuple[int, int] | None:
     row = session.execute(select(RolloutProgress.step, RolloutProgress.batch_size - RolloutProgress.finished)
                           .order_by(RolloutProgress.step.desc()).limit(1)).first()
     return (int(row[0]), int(row[1])) if row is not None else None
+
+
+def step_tails(session: Session, steps: int) -> list[tuple[float, ...]]:
+    """For the latest `steps` complete rollout steps (oldest first), how long before the step's last
+    trajectory finished each of its trajectories did (wall seconds, ascending), read from the audit
+    log of the progress reports (a report of several at once counts each at its time)."""
+    done = session.scalars(select(RolloutProgress.step).where(RolloutProgress.ended_at.is_not(None))
+                           .order_by(RolloutProgress.step.desc()).limit(steps)).all()
+    if not done:
+        return []
+    rows = session.execute(
+        select(Event.entity_id, Event.at, Event.new["finished"].as_integer())
+        .where(Event.entity == "rollout_progress", Event.entity_id.in_([str(s) for s in done]))
+        .order_by(Event.id)).all()
+    finishes: dict[str, list[datetime]] = {str(s): [] for s in done}
+    for step, at, finished in rows:
+        times = finishes[step]
+        times.extend([at] * max(0, (finished or 0) - len(times)))
+    tails = []
+    for step in sorted(done):
+        times = finishes[str(step)]
+        if times:
+            tails.append(tuple(sorted((times[-1] - t).total_seconds() for t in times)))
+    return tails
 
 
 def report_progress(session: Session, step: int, finished: int, batch_size: int | None = None) -> RolloutProgress:

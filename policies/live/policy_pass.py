@@ -26,7 +26,8 @@ latest telemetry; the rollout step under way and its unfinished trajectories R f
 the profile's); the borrow cycles measured (`borrow_cycles`: activation plus return, for the
 gate's T_toggle); measured step durations (latest succeeded step per action, as the simulator
 reports them, for the switch costs); the weights version; the plans applying; the last optimizer
-step's length.
+step's length; the tails of the latest complete rollout steps (`signals.step_tails`: when each
+trajectory finished before the step's end, from the audit log of the progress reports).
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ from pearl.controlplane.store.profile_store import StoredProfile, fleet_inventor
 from pearl.controlplane.store.schema import Fleet, PolicyMemory, RolloutProgress, Telemetry, TrainingStep, Worker
 from pearl.controlplane.store.schema import Plan as PlanRow
 from pearl.controlplane.store.schema import PlanStep as StepRow
+from pearl.controlplane.store.signals import step_tails
 from pearl.controlplane.store.snapshot import load_snapshot, revocation_notices
 from pearl.controlplane.store.transitions import lock_fleet
 from pearl.policies.base import Signals
@@ -69,6 +71,7 @@ from sqlalchemy.orm import Session
 
 POLICY = "pearl"
 TOGGLE_HISTORY = 8  # measured borrow cycles the signals carry (the policy folds in the new ones)
+TAIL_HISTORY = 3  # complete rollout steps whose tail the signals carry (Signals.step_tails)
 
 
 def live_policy(profile: StoredProfile, reconfig: ReconfigCosts = DEFAULT_RECONFIG) -> PearlPolicy:
@@ -269,6 +272,7 @@ def live_signals(session: Session, snapshot: FleetSnapshot, batch_size: int, eve
         weights_version=int(weights),
         plans_in_flight=session.scalar(select(func.count()).where(PlanRow.status == PlanStatus.APPLYING)) or 0,
         last_training_s=(ended.ended_at - ended.started_at).total_seconds() * time_scale if ended is not None else None,
+        step_tails=tuple(tuple(x * time_scale for x in tail) for tail in step_tails(session, TAIL_HISTORY)),
     )
 
 

@@ -205,20 +205,22 @@ def test_status_tables_and_watch(pearlctl, database_url: str, pearlctl_env: dict
                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     with watch:
         try:
-            time.sleep(2.5)
+            first = watch.stdout.readline()  # it is up and has drawn the fleet
             engine = create_engine(database_url, poolclass=NullPool)
             with engine.begin() as conn:
                 conn.execute(text("UPDATE gpus SET state = 'lost' WHERE id = 1"))
             engine.dispose()
-            time.sleep(1.5)
+            second = watch.stdout.readline()  # the change, at the next refresh
+            time.sleep(0.5)  # a few refreshes with nothing new: no line
             watch.send_signal(signal.SIGINT)
-            out, errors = watch.communicate(timeout=30)
+            rest, errors = watch.communicate(timeout=30)
         finally:
             if watch.poll() is None:  # it did not stop: end it, so no process or pipe outlives the test
                 watch.kill()
                 watch.communicate()
     assert watch.returncode == 0, errors
     # piped, it prints one plain line per change (a terminal gets the refreshing tables)
+    out = first + second + rest
     lines = out.splitlines()
     assert len(lines) == 2 and "┃" not in out, out
     assert "state_version 48" in lines[0] and "20 free, 12 unavailable" in lines[0]

@@ -46,7 +46,11 @@ def test_a_cpu_measurement_is_stored_under_its_own_key(pearlctl: Callable, datab
     assert "scaled-down shape" in out["note"] and out["shape"]["hidden"] == 123
     assert "kept as history and never planned with" in out["note"]
     assert out["timing"] == "chained"  # on the CPU the layers run chained, one sync per sample
-    assert out["symbols"]["A"] > 0 and out["symbols"]["t_p"] > 0 and out["symbols"]["b"] >= 0
+    # a decode step costs something; how it splits between A and b is timing noise at this scale on a
+    # loaded CPU (the fit may put it all in b)
+    A, b = out["symbols"]["A"], out["symbols"]["b"]  # noqa: N806
+    assert A >= 0 and b >= 0 and A + b > 0 and out["symbols"]["t_p"] > 0
+    assert all(t > 0 for times in out["decode_s"].values() for t in times)
     assert sorted(int(n) for n in out["decode_s"]) == [1, 2, 4] and out["extrapolated"][0] == 8
     row = stored(database_url, ProfileKey("qwen3-8b", "cpu", 1, "cpu"))
     assert row is not None and row.id == out["profile_id"] and row.provenance.value == "measured"
@@ -129,7 +133,8 @@ def test_a_cpu_measurement_counts_replicated_kv_heads_once() -> None:
     from pearl.controlplane.measure.kernels import MeasureSpec, measure
 
     moe = default_catalog().model("qwen3-30b-a3b")
-    spec = MeasureSpec(device="cpu", scale=1.0, tp=8, max_batch=2, context_tokens=32, chunk_tokens=16, repeats=1)
+    # a tenth of the width: the heads are kept at any scale
+    spec = MeasureSpec(device="cpu", scale=0.1, tp=8, max_batch=2, context_tokens=32, chunk_tokens=16, repeats=1)
     result = measure(moe, spec)
     assert (result.shape.q_heads, result.shape.kv_heads) == (4, 1)
     # 8 ranks hold 4 distinct KV heads (each twice): K and V of a token are the model's 4 heads' bytes

@@ -3,10 +3,11 @@
 The simulator runs the demo scenario with a recording policy; at each decision taken with no plan in
 flight, the test rebuilds in PostgreSQL what the live control plane would know at that moment (the
 workers and their GPUs, the training steps, the rollout progress, the preemptible leases and their
-notices, the latest telemetry, the measured step durations and borrow cycles, the policy's stored
-memory and profile), pins the database's clock to the moment, and runs the live pass's `decide`: the
-target (members, roles, the tail wake-up) must be the simulator's. What is compared is the adapter:
-that the rows give the policy the signals the simulator gives it.
+notices, the latest telemetry, the tails of the latest complete steps, the measured step durations
+and borrow cycles, the policy's stored memory and profile), pins the database's clock to the moment,
+and runs the live pass's `decide`: the target (members, roles, the tail wake-up) must be the
+simulator's. What is compared is the adapter: that the rows give the policy the signals the
+simulator gives it.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from pearl.controlplane.store.db import transaction
 from pearl.controlplane.store.plan_store import json_safe
 from pearl.controlplane.store.schema import (
     GPU,
+    Event,
     Fleet,
     Lease,
     Plan,
@@ -102,7 +104,7 @@ def _rebuild(engine: Engine, sc: Any, snapshot: FleetSnapshot, s: Signals, befor
         at = lambda seconds: origin + timedelta(seconds=seconds)  # noqa: E731
         # a state put in place at once, not reached by transitions: no guard, audit or check trigger
         session.execute(text("SET LOCAL session_replication_role = replica"))
-        for table in (Lease, PlanStep, Plan, TrainingStep, RolloutProgress, Telemetry, PolicyMemory):
+        for table in (Lease, PlanStep, Plan, TrainingStep, RolloutProgress, Telemetry, PolicyMemory, Event):
             session.execute(delete(table))
         for w in snapshot.workers:
             wid = w.id + 1
@@ -131,9 +133,19 @@ def _rebuild(engine: Engine, sc: Any, snapshot: FleetSnapshot, s: Signals, befor
             session.flush()
         if s.training or s.training_wanted:
             session.add(TrainingStep(step=done, requested_at=at(s.now), started_at=at(s.now) if s.training else None))
-        if s.rollout_step >= 0:
+        # the latest complete rollout steps, each finish as the audit log of its progress reports holds it
+        last_done = s.rollout_step if s.remaining == 0 else s.rollout_step - 1
+        for i, tail in enumerate(s.step_tails):
+            step = last_done - (len(s.step_tails) - 1 - i)
+            session.add(RolloutProgress(step=step, batch_size=len(tail), finished=len(tail), ended_at=at(0)))
+            session.add_all(Event(at=at(tail[-1] - offset), state_version=0, entity="rollout_progress",
+                                  entity_id=str(step), op="update", new={"finished": n + 1})
+                            for n, offset in enumerate(reversed(tail)))
+        if s.rollout_step >= 0 and s.remaining > 0:
             session.add(RolloutProgress(step=s.rollout_step, batch_size=s.batch_size,
                                         finished=s.batch_size - s.remaining))
+        elif s.rollout_step >= 0 and not s.step_tails:
+            session.add(RolloutProgress(step=s.rollout_step, batch_size=s.batch_size, finished=s.batch_size))
         if s.telemetry is not None:
             session.add(Telemetry(step=s.telemetry.step, body=s.telemetry.model_dump(mode="json")))
         # what the executor measured: the latest duration of each kind of step, and the borrow cycles

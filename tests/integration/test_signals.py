@@ -126,6 +126,25 @@ def test_rollout_progress_is_the_live_remaining(cp: ControlPlane) -> None:
     assert (planned.signals.rollout_step, planned.signals.remaining, planned.signals.batch_size) == (0, 0, 8)
 
 
+def test_the_tails_of_complete_steps_are_when_each_trajectory_finished_before_the_end(cp: ControlPlane) -> None:
+    import time
+
+    cp.rollout_progress(0, 1, batch_size=4)
+    time.sleep(0.2)
+    cp.rollout_progress(0, 3)  # two at once
+    time.sleep(0.1)
+    cp.rollout_progress(0, 4)
+    cp.rollout_progress(1, 2, batch_size=4)  # under way: not a tail yet
+    with transaction(cp.engine) as session:
+        (tail,) = signals.step_tails(session, 3)
+        assert len(tail) == 4 and tail[0] == 0.0 and tail[1] == tail[2]
+        assert 0.1 <= tail[1] < tail[3] and tail[3] - tail[1] >= 0.2
+        from pearl.policies.live.policy_pass import decide
+
+        planned = decide(session)
+    assert planned.signals.step_tails == (tail,)  # on the model clock: this inventory runs at time_scale 1
+
+
 def test_training_waits_for_borrowed_gpus_and_the_lateness_is_recorded(cp: ControlPlane, clock) -> None:
     serve(cp.engine, {1, 3})  # overlap worker 1 borrows train-0's GPUs 0, 1
     assert gpu_states(cp.engine, "training") == {GPUState.BORROWED, GPUState.FREE}

@@ -127,6 +127,27 @@ def test_borrowed_workers_go_back_at_the_tail_of_the_step(borrow):
     assert _overlap_ids(holding) <= target.members
 
 
+def test_the_tail_starts_earlier_when_the_latest_steps_ended_in_a_burst():
+    # Even pace: 2 dedicated + 64 x 10 s / 100 s. A step whose last 20 of 32 trajectories finished
+    # within the 10 s a return takes asks for 2 + 40 of 64; the larger of the latest steps counts.
+    paced = tail_remaining(2, 64, 10.0, 100.0)
+    assert paced == 2 + 7
+    even = tuple(float(i * 4) for i in range(32))  # no burst (3 of 32 within 10 s): the pace wins
+    burst = tuple(sorted([0.0] + [9.5] * 19 + [50.0 + i for i in range(12)]))
+    assert tail_remaining(2, 64, 10.0, 100.0, (even,)) == paced
+    assert tail_remaining(2, 64, 10.0, 100.0, (even, burst)) == 42
+    assert tail_remaining(2, 64, 10.0, 100.0, (burst, ())) == 42
+    assert tail_remaining(2, 64, 5.0, 100.0, (burst,)) == 2 + 4  # only the last within 5 s: the pace
+    assert tail_remaining(2, 64, 10.0, math.inf, ()) == 2
+    policy = _policy()
+    target, _ = policy.decide(_fleet(), _signals(step_tails=(burst,)), policy.initial_memory())
+    assert policy.initial_memory().toggle.seconds >= 9.5 and target.recheck_remaining == 42
+    holding = _fleet(overlap_active=True)
+    target, _ = policy.decide(holding, _signals(event="tail", remaining=42, step_tails=(burst,)),
+                              policy.initial_memory())
+    assert not (_overlap_ids(holding) & target.members) and "tail:" in target.reason
+
+
 def test_ungated_borrows_whatever_the_gain_and_pd_only_never_borrows():
     fleet, costly = _fleet(), ToggleCost(1e6)
     ungated = _policy(borrow=Borrow.ALWAYS)

@@ -187,6 +187,25 @@ def test_every_rollout_step_emits_valid_telemetry():
         assert any(i.prefill_tokens > 0 for i in tel.iterations) or any(i.batch > 0 for i in tel.iterations)
 
 
+def test_the_policy_sees_the_tails_of_the_latest_steps():
+    sim = _sim("roll", ["duration_s=600"], scenario="demo-qwen3-30b-a3b-seg2")
+    tails = []
+    original = sim._signals
+
+    def capture(event: str):
+        signals = original(event)
+        tails.append(signals.step_tails)
+        return signals
+
+    sim._signals = capture
+    r = sim.run()
+    assert r.rollout_steps > 3 and tails[0] == () and len(tails[-1]) == 3
+    batch = sim.sc.workload.batch_size
+    for tail, makespan in zip(sim.step_tails, sim.makespans[-3:], strict=True):
+        assert len(tail) == batch and tail[0] == 0.0 and list(tail) == sorted(tail)
+        assert tail[-1] < makespan  # the first trajectory finished after its step began
+
+
 def test_run_system_uses_the_systems_cluster():
     sc = load_scenario("paper-qwen3-30b-a3b-seg2", SHORT)
     seen = []
