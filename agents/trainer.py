@@ -239,7 +239,7 @@ class TrainerEmulator:
         tp = self.sc.tp
         for change in availability_changes(self.sc):
             if change.t > self.duration_s:
-                return
+                break
             if change.t == 0 and self.initial_granted:
                 continue
             await self._sleep_model(change.t - self.model_s())
@@ -252,6 +252,7 @@ class TrainerEmulator:
                 await asyncio.to_thread(self.cp.gpus_revoked, self.preemptible_node, devices,
                                         notice_s=notice / self.speed)
                 self.stats.revocations += 1
+        await self._stop.wait()  # the trace is over, not the run: ending here would end it early
 
 
 def summary(stats: TrainerStats, speed: float) -> dict[str, Any]:

@@ -1,0 +1,47 @@
+"""The trainer emulator against a real control plane: the run lasts its duration, whatever the trace."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+from pearl.agents.demo import NODES, inventory_for
+from pearl.agents.drivers.process import free_port
+from pearl.agents.trainer import TrainerEmulator
+from pearl.controlplane.api import ControlPlane
+from pearl.controlplane.core.domain import GPUState, NodeZone
+from pearl.controlplane.store import signals
+from pearl.controlplane.store.db import transaction
+from pearl.controlplane.store.inventory_import import import_inventory
+from pearl.controlplane.store.schema import GPU
+from pearl.sim.availability import availability_changes
+from pearl.sim.scenario import load_scenario
+from sqlalchemy import Engine, select
+
+pytestmark = pytest.mark.integration
+
+SPEED = 1000.0  # the demo scenario's ten model minutes in 0.6 s
+
+
+def test_the_run_outlasts_the_trace_and_replays_every_change_within_its_duration(db_engine: Engine,
+                                                                                tmp_path: Path) -> None:
+    sc = load_scenario("demo-qwen3-30b-a3b-seg2")
+    changes = availability_changes(sc)
+    assert changes[-1].t < sc.duration_s  # the trace ends before the run must
+    with transaction(db_engine, actor="test", reason="demo inventory") as session:
+        import_inventory(session, inventory_for(sc, SPEED))
+    trainer = TrainerEmulator(sc, ControlPlane(engine=db_engine), f"http://127.0.0.1:{free_port()}", speed=SPEED,
+                              snapshot_dir=tmp_path, preemptible_node=NODES[NodeZone.PREEMPTIBLE], retry_s=0.05)
+    assert trainer.grant_initial() == 2 * sc.tp  # the two slots granted at t=0
+
+    stats = asyncio.run(trainer.run())
+
+    assert stats.elapsed() * SPEED >= sc.duration_s
+    later = [c for c in changes if c.t > 0]
+    assert stats.grants == sum(bool(c.granted) for c in later)
+    assert stats.revocations == sum(bool(c.revoked) for c in later)
+    with transaction(db_engine) as session:  # the last change took every preemptible GPU back, with notice
+        assert signals.enforce_deadlines(session)
+        states = set(session.scalars(select(GPU.state).where(GPU.zone == NodeZone.PREEMPTIBLE)))
+    assert states <= {GPUState.REVOKED, GPUState.UNAVAILABLE}, states
