@@ -24,6 +24,7 @@ import json
 import math
 import signal
 import sys
+import time
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -62,6 +63,7 @@ class SimConfig:
     enable_memory_saver: bool = False
     enable_pd_role_switch: bool = False
     startup_s: float = 0.0  # simulated start-up (weights, CUDA graphs): /health answers 503 until then
+    launched_at: float | None = None  # when its launcher started it (epoch s): the start-up runs from then
     weight_load_s: float = 2.0  # simulated time a snapshot load pauses the engine
     role_switch_s: float = 1.0  # simulated time of a prefill <-> decode flip
     memory_s: float = 0.5  # simulated time to release or resume memory
@@ -82,7 +84,7 @@ class SimState:
     held: int = 0
     switching: bool = False
     stopping: bool = False
-    ready_at: float = 0.0  # simulated time it finishes starting
+    ready_at: float = 0.0  # simulated time (of its engine's clock) it finishes starting
     weights_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     weights_checksum: str | None = None  # manifest_digest of the snapshot loaded (None: the initial weights)
     weight_loads: int = 0  # snapshots (or broadcasts) taken since the start
@@ -445,7 +447,9 @@ async def serve(cfg: SimConfig) -> None:
         snap = load_snapshot(cfg.model_path)  # a corrupt snapshot fails the start, naming the tensor
         print(f"weights: {snap.path} ({snap.tensors} tensors, {snap.checked} checksums verified)", file=sys.stderr)
     rt = RealtimeEngine(perf, cfg.role, cfg.speed, cfg.worker_id, cfg.capacity)
-    state = SimState(cfg, rt, model_path, cfg.weight_version, cfg.fence, ready_at=cfg.startup_s,
+    # A real server's start-up runs from its launch, its own imports included: so does this one's.
+    launched_s = max(0.0, time.time() - cfg.launched_at) * cfg.speed if cfg.launched_at is not None else 0.0
+    state = SimState(cfg, rt, model_path, cfg.weight_version, cfg.fence, ready_at=cfg.startup_s - launched_s,
                      weights_checksum=manifest_digest(snap.manifest()) if cfg.model_path else None)
     state.unpaused.set()
     runner = web.AppRunner(build_app(state), handle_signals=False, shutdown_timeout=5.0, access_log=None)

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-import typer
+import os
+
+# One BLAS thread, in this process and the ones it starts, unless the caller chose: the decision core's
+# matrix products are small, one thread computes them as fast, and idle OpenBLAS threads spin on the
+# cores the agents, servers and PostgreSQL need (a simulation took twice the CPU for the same wall time).
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import typer  # noqa: E402
 
 app = typer.Typer(
     name="pearlctl",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Annotated
 
 import typer
@@ -31,7 +32,10 @@ def simworker(
     weight_version: Annotated[str, typer.Option(help="Weight version reported by /model_info.")] = "default",
     enable_memory_saver: Annotated[bool, typer.Option(help="Allow release/resume of memory.")] = False,
     enable_pd_role_switch: Annotated[bool, typer.Option(help="Allow prefill <-> decode in place.")] = False,
-    startup_s: Annotated[float, typer.Option(help="Simulated start-up time before /health answers 200.")] = 0.0,
+    startup_s: Annotated[float, typer.Option(help="Simulated start-up time, from the launch (--launched-at), "
+                                                  "before /health answers 200.")] = 0.0,
+    launched_at: Annotated[float | None, typer.Option(help="When the launcher started it (epoch seconds); "
+                                                     "the start-up runs from then. Default: now.")] = None,
     weight_load_s: Annotated[float, typer.Option(help="Simulated time of a snapshot load.")] = 2.0,
     role_switch_s: Annotated[float, typer.Option(help="Simulated time of a role switch.")] = 1.0,
     capacity: Annotated[int | None, typer.Option(help="KV cache tokens (default: the performance model's).")]
@@ -62,13 +66,15 @@ def simworker(
         raise BadInput(f"--speed: must be positive, not {speed}")
     if tp < 1:
         raise BadInput(f"--tp: at least 1, not {tp}")
+    if launched_at is not None and not 0 < launched_at <= time.time() + 60:
+        raise BadInput(f"--launched-at: epoch seconds no later than now, not {launched_at}")
     if capacity is not None and capacity < 1:
         raise BadInput(f"--capacity: at least 1 token, not {capacity}")
     cfg = SimConfig(port=port, host=host, role=the_role, model=model, gpu=gpu, tp=tp, worker_id=worker_id,
                     generation=generation, fence=fence, speed=speed, bootstrap_port=bootstrap_port,
                     model_path=model_path, weight_version=weight_version, enable_memory_saver=enable_memory_saver,
-                    enable_pd_role_switch=enable_pd_role_switch, startup_s=startup_s, weight_load_s=weight_load_s,
-                    role_switch_s=role_switch_s, capacity=capacity, run_dir=run_dir)
+                    enable_pd_role_switch=enable_pd_role_switch, startup_s=startup_s, launched_at=launched_at,
+                    weight_load_s=weight_load_s, role_switch_s=role_switch_s, capacity=capacity, run_dir=run_dir)
     import asyncio
 
     asyncio.run(serve(cfg))

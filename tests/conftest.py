@@ -26,6 +26,9 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session
 from sqlalchemy.pool import NullPool
 
+# As `pearlctl` runs the decision core (pearl/cli/app.py): one BLAS thread.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
 _db_counter = itertools.count()
 
 

@@ -8,6 +8,7 @@ server's timing comes from the catalog model and GPU of the spec, `speed` times 
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 from pearl.controlplane.core.domain import Role
@@ -30,7 +31,7 @@ class SimDriver(ProcessDriver):
         argv = [self.python, "-m", "pearl.cli.simworker", "--host", spec.host, "--port", str(port),
                 "--role", spec.role.value, "--model", spec.model, "--gpu", spec.gpu, "--tp", str(spec.tp),
                 "--worker-id", str(spec.worker_id), "--generation", str(spec.generation), "--fence", str(spec.fence),
-                "--speed", repr(self.speed), "--run-dir", str(self.run_dir)]
+                "--speed", repr(self.speed), "--run-dir", str(self.run_dir), "--launched-at", repr(time.time())]
         if bootstrap_port is not None:
             argv += ["--bootstrap-port", str(bootstrap_port)]
         if spec.role in (Role.PREFILL, Role.DECODE):

@@ -57,7 +57,7 @@ def _demo(home: Path, *args: str) -> subprocess.Popen:
 
 
 def test_a_short_demo_runs_the_whole_system_and_leaves_nothing_behind(tmp_path: Path, home: Path) -> None:
-    demo = _demo(home, "--duration", "300", "--speed", "10", "--json", "--no-simulate",
+    demo = _demo(home, "--duration", "240", "--speed", "10", "--json", "--no-simulate",
                  "--plot", str(tmp_path / "demo.png"))
     try:
         out, err = demo.communicate(timeout=400)

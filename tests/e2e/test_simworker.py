@@ -75,6 +75,31 @@ def test_generation_is_timed_by_the_performance_model_and_loads_report_it(driver
     assert again["meta_info"]["cached_tokens"] >= 2000
 
 
+def test_the_start_up_counts_from_the_launch_its_imports_included(tmp_path):
+    startup = 2.0  # wall seconds
+    driver = SimDriver(tmp_path / "run", speed=SPEED, extra_args=("--startup-s", repr(startup * SPEED)))
+    launched = time.monotonic()
+    server = driver.launch(spec(1, Role.COLOCATED))
+    try:
+        listening = ready = None
+        with httpx.Client(timeout=1.0) as http:
+            while ready is None and time.monotonic() < launched + 60:
+                try:
+                    status = http.get(server.endpoint + "/health").status_code
+                except httpx.HTTPError:
+                    time.sleep(0.01)
+                    continue
+                listening = listening or time.monotonic()
+                assert status in (200, 503)
+                ready = time.monotonic() if status == 200 else None
+                time.sleep(0.01)
+        assert ready is not None and listening is not None
+        assert ready - launched >= startup - 0.05  # never before the start-up has run
+        assert ready - listening < startup - 0.25  # it ran while the process started and imported
+    finally:
+        driver.stop(server.worker_id, grace_s=5)
+
+
 def test_memory_release_refuses_work_and_resume_restores_it(driver):
     server = driver.launch(spec(2, Role.COLOCATED, overlap=True))
     driver.wait_ready(server, 60)

@@ -244,3 +244,18 @@ def test_telemetry_beyond_the_limits_is_bad_input(tmp_path: Path) -> None:
                     '"prompt_tokens": 10, "obs_tokens": [], "gen_tokens": [5], "env_s": []}]}')
     res = invoke("event", "telemetry", str(path), "--json")
     assert res.exit_code == 2 and json.loads(res.stdout)["field"] == "step"
+
+
+@pytest.mark.parametrize(("args", "field"), [
+    (("--role", "training"), "--role"),
+    (("--role", "prefill"), "--bootstrap-port"),
+    (("--speed", "0"), "--speed"),
+    (("--capacity", "0"), "--capacity"),
+    (("--launched-at", "-1"), "--launched-at"),
+    (("--launched-at", "9e12"), "--launched-at"),
+])
+def test_a_simulated_server_refuses_bad_options_before_it_serves(args, field) -> None:
+    res = invoke("simworker", "--port", "1", *args)
+    assert res.exit_code == 2, res.output
+    assert field in res.output
+    no_traceback(res)
