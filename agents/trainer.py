@@ -65,9 +65,10 @@ class TrainerStats:
     grants: int = 0
     revocations: int = 0
     errors: list[str] = field(default_factory=list)
+    ended: float | None = None  # when the run ended (its duration, a stop or a failure): the metric's window
 
     def elapsed(self) -> float:
-        return time.monotonic() - self.started
+        return (self.ended if self.ended is not None else time.monotonic()) - self.started
 
 
 class TrainerEmulator:
@@ -112,6 +113,7 @@ class TrainerEmulator:
             deadline = asyncio.create_task(self._sleep_model(self.duration_s))
             stopped = asyncio.create_task(self._stop.wait())
             await asyncio.wait([deadline, stopped, *tasks], return_when=asyncio.FIRST_COMPLETED)
+            self.stats.ended = time.monotonic()  # what follows (cancelling, stopping the fleet) is not the run
             self._stop.set()
             for t in (*tasks, deadline, stopped):
                 t.cancel()
