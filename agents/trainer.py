@@ -66,6 +66,7 @@ class TrainerStats:
     revocations: int = 0
     errors: list[str] = field(default_factory=list)
     ended: float | None = None  # when the run ended (its duration, a stop or a failure): the metric's window
+    last_trained_s: float = 0.0  # wall seconds into the run when the latest training step ended
 
     def elapsed(self) -> float:
         return (self.ended if self.ended is not None else time.monotonic()) - self.started
@@ -226,6 +227,7 @@ class TrainerEmulator:
             await asyncio.to_thread(self.cp.training_end, k, weights_version=version, snapshot=uri)
             self.stats.trained_tokens += self._tokens.get(k, 0)
             self.stats.training_steps += 1
+            self.stats.last_trained_s = self.stats.elapsed()
             self.stats.training = "idle"
             async with self._batch_done:
                 self._trained = k + 1
@@ -263,4 +265,8 @@ def summary(stats: TrainerStats, speed: float) -> dict[str, Any]:
             "requests": stats.requests, "failed_requests": stats.failed_requests,
             "resubmitted": stats.resubmitted,
             "tokens_per_s": stats.trained_tokens / (wall * speed) if wall > 0 else 0.0,
+            # the simulator's companion: the same tokens over the end of the last training step (a finer
+            # comparison on a short run, where the metric moves by whole steps)
+            "tokens_per_s_to_last_step": (stats.trained_tokens / (stats.last_trained_s * speed)
+                                          if stats.last_trained_s > 0 else 0.0),
             "wall_s": wall, "model_s": wall * speed}

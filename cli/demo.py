@@ -131,6 +131,10 @@ def _summary_table(s: dict[str, Any]) -> Group:
     sim_tps = s.get("simulated_tokens_per_s")
     ratio = f" ({s['tokens_per_s'] / sim_tps:.2f}x)" if sim_tps else ""
     live.add_row("tokens/s", f"{s['tokens_per_s']:,.0f}{ratio}", f"{sim_tps:,.0f}" if sim_tps else "-")
+    sim_last = s.get("simulated_tokens_per_s_to_last_step")
+    ratio = f" ({s['tokens_per_s_to_last_step'] / sim_last:.2f}x)" if sim_last else ""
+    live.add_row("to the last step", f"{s['tokens_per_s_to_last_step']:,.0f}{ratio}",
+                 f"{sim_last:,.0f}" if sim_last else "-")
     parts: list[Any] = [live]
     if s.get("systems"):
         systems = Table("system", "tokens/s", "rollout steps", "GPU-seconds", "reconfigurations",

@@ -70,6 +70,7 @@ def test_a_short_demo_runs_the_whole_system_and_leaves_nothing_behind(tmp_path: 
     assert s["plans_applied"] > 0 and s["weight_syncs"] > 0
     assert s["failed_requests"] == 0 and s["requests"] > 0
     assert s["tokens_per_s"] > 0
+    assert s["tokens_per_s_to_last_step"] >= s["tokens_per_s"]  # the same tokens over a window no longer
     assert (tmp_path / "demo.png").stat().st_size > 10_000
     assert _leftovers(home) == []  # agents, workers, servers, routers, the loop and the embedded servers
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from pearl.agents.demo import NODES, inventory_for
 from pearl.agents.drivers.process import free_port
-from pearl.agents.trainer import TrainerEmulator
+from pearl.agents.trainer import TrainerEmulator, TrainerStats, summary
 from pearl.controlplane.api import ControlPlane
 from pearl.controlplane.core.domain import GPUState, NodeZone
 from pearl.controlplane.store import signals
@@ -50,3 +50,13 @@ def test_the_run_outlasts_the_trace_and_replays_every_change_within_its_duration
         assert signals.enforce_deadlines(session)
         states = set(session.scalars(select(GPU.state).where(GPU.zone == NodeZone.PREEMPTIBLE)))
     assert states <= {GPUState.REVOKED, GPUState.UNAVAILABLE}, states
+
+
+def test_the_summary_measures_the_metric_over_the_run_and_the_companion_to_the_last_step() -> None:
+    stats = TrainerStats(started=100.0, trained_tokens=60_000, training_steps=3)
+    stats.last_trained_s, stats.ended = 50.0, 160.0  # the third step ended 50 s into a 60 s run
+    s = summary(stats, speed=10.0)
+    assert s["wall_s"] == 60.0 and s["model_s"] == 600.0
+    assert s["tokens_per_s"] == 60_000 / 600.0
+    assert s["tokens_per_s_to_last_step"] == 60_000 / 500.0
+    assert summary(TrainerStats(started=0.0, ended=1.0), speed=10.0)["tokens_per_s_to_last_step"] == 0.0
