@@ -1,15 +1,25 @@
-"""The one place that maps the database's worker and GPU rows to the decision core's `FleetSnapshot`."""
+"""The one place that maps the database's worker and GPU rows to the decision core's `FleetSnapshot`.
+
+A slot whose server failed to start is not offered again at once: after n consecutive failed `start`
+steps (since its last successful one, over the plans of the last hour) it is unavailable for
+min(30 s x 2^(n-1), 600 s) from the latest failure, so a server that cannot start (a bad image, a
+GPU that fails) is retried with growing pauses instead of by every pass.
+"""
 
 from __future__ import annotations
 
 from collections import defaultdict
-from datetime import datetime
+from datetime import datetime, timedelta
 
-from pearl.controlplane.core.domain import GPUState, LeaseKind, WorkerZone
+from pearl.controlplane.core.domain import Activity, GPUState, LeaseKind, StepAction, StepStatus, WorkerZone
 from pearl.controlplane.core.fleet import FleetSnapshot, WorkerSlot
-from pearl.controlplane.store.schema import GPU, Fleet, Lease, Node, Worker
-from sqlalchemy import select
+from pearl.controlplane.store.schema import GPU, Fleet, Lease, Node, Plan, PlanStep, Worker
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
+
+START_BACKOFF_FIRST_S = 30.0  # the pause after a slot's first failed start; it doubles with each next one
+START_BACKOFF_MAX_S = 600.0
+START_BACKOFF_WINDOW_S = 3600.0  # failed starts are counted over the plans created this recently
 
 
 def _available(zone: WorkerZone, worker_id: int, gpus: list[GPU], under_notice: set[int]) -> bool:
@@ -40,6 +50,31 @@ def revocation_notices(session: Session) -> dict[int, tuple[int, datetime]]:
     return {gpu: (slot, deadline) for gpu, slot, deadline in rows}
 
 
+def start_backoffs(session: Session) -> dict[int, datetime]:
+    """Worker slots backing off after failed starts (module docstring): slot -> when it may start again."""
+    now = session.scalar(select(func.pearl_now()))
+    first_plan = (select(func.min(Plan.id))
+                  .where(Plan.created_at > now - timedelta(seconds=START_BACKOFF_WINDOW_S)).scalar_subquery())
+    rows = session.execute(
+        select(PlanStep.worker_id, PlanStep.status, PlanStep.finished_at)
+        .where(PlanStep.plan_id >= first_plan, PlanStep.action == StepAction.START,
+               PlanStep.status.in_([StepStatus.SUCCEEDED, StepStatus.FAILED]), PlanStep.finished_at.is_not(None))
+        .order_by(PlanStep.worker_id, PlanStep.finished_at, PlanStep.id))
+    failed: dict[int, list[datetime]] = {}
+    for worker, status, finished in rows:
+        if status is StepStatus.SUCCEEDED:
+            failed.pop(worker, None)
+        else:
+            failed.setdefault(worker, []).append(finished)
+    out = {}
+    for worker, times in failed.items():
+        pause = min(START_BACKOFF_FIRST_S * 2 ** (len(times) - 1), START_BACKOFF_MAX_S)
+        until = times[-1] + timedelta(seconds=pause)
+        if until > now:
+            out[worker] = until
+    return out
+
+
 def load_snapshot(session: Session) -> FleetSnapshot:
     """Every worker slot at the current `state_version`, read in the session's transaction.
 
@@ -50,6 +85,7 @@ def load_snapshot(session: Session) -> FleetSnapshot:
     for gpu in session.scalars(select(GPU).order_by(GPU.slot_id, GPU.device_index)):
         gpus_by_slot[gpu.slot_id].append(gpu)
     under_notice = set(revocation_notices(session))
+    backing_off = start_backoffs(session)
     rows = session.execute(select(Worker, Node.name).join(Node, Node.id == Worker.node_id).order_by(Worker.id))
     slots = []
     for worker, node_name in rows:
@@ -63,7 +99,8 @@ def load_snapshot(session: Session) -> FleetSnapshot:
                 role=worker.role,
                 activity=worker.activity,
                 weights_version=worker.weights_version,
-                available=_available(worker.zone, worker.id, gpus, under_notice),
+                available=_available(worker.zone, worker.id, gpus, under_notice) and not (
+                    worker.activity is Activity.INACTIVE and worker.id in backing_off),
             )
         )
     return FleetSnapshot(state_version=fleet.state_version, workers=tuple(slots), tp=fleet.tp or 1)

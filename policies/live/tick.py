@@ -182,8 +182,10 @@ def _released_by(session: Session, plan_id: int) -> set[int]:
 
 
 def _digest(planned: policy_pass.Planned) -> str:
-    """The signals the pass decides on, without the clock: equal states give equal keys."""
+    """The signals the pass decides on, without the clock, and the slots it may not use (a start's
+    back-off ends without a row changing): equal states give equal keys."""
     signals = {k: v for k, v in policy_pass.signals_dict(planned.signals).items() if k not in ("now", "event")}
+    signals["unavailable"] = sorted(w.id for w in planned.snapshot.workers if not w.available)
     blob = json.dumps(signals, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
 
