@@ -7,6 +7,8 @@ plan's steps in progress with the agent holding each claim (`plan.running`), the
 the age of their heartbeat (`agents`), and the front door (`router`: url, mode; null without one).
 Weights: `trainer_version` (the newest version the trainer produced), each worker's `weights_lag`
 (versions behind it) and its newest weight sync (`sync`: version, state, error; null without one).
+A slot whose server failed to start shows until when it is left out of targets (`start_backoff_until`,
+null when it is not backing off: `snapshot.start_backoffs`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 from pearl.controlplane.core.domain import StepStatus
 from pearl.controlplane.store.db import transaction
 from pearl.controlplane.store.schema import GPU, Agent, Fleet, Lease, Node, Plan, PlanStep, Router, Worker
+from pearl.controlplane.store.snapshot import start_backoffs
 from pearl.controlplane.store.step_effects import trainer_version
 from pearl.controlplane.store.weights import last_sync_states
 from sqlalchemy import Engine, func, or_, select
@@ -92,6 +95,7 @@ def fleet_status(session: Session) -> dict[str, Any]:
         by_zone_state[g.zone.value][g.state.value] += 1
     trainer = trainer_version(session)
     syncs = last_sync_states(session)
+    backoffs = start_backoffs(session)
     workers = [
         {
             "id": w.id,
@@ -108,6 +112,7 @@ def fleet_status(session: Session) -> dict[str, Any]:
             "sync": syncs.get(w.id),
             "endpoint": w.endpoint,
             "generation": w.generation,
+            "start_backoff_until": _iso(backoffs.get(w.id)),
         }
         for w in session.scalars(select(Worker).order_by(Worker.id))
     ]

@@ -11,6 +11,7 @@ from pearl.controlplane.core.domain import PlanStatus, Role
 from pearl.controlplane.core.fleet import Target
 from pearl.controlplane.store import plan_store
 from pearl.controlplane.store.db import transaction
+from pearl.controlplane.store.fleet_status import read_fleet_status
 from pearl.controlplane.store.schema import Plan
 from pearl.controlplane.store.snapshot import START_BACKOFF_FIRST_S, load_snapshot
 from pearl.policies.live.tick import tick
@@ -60,6 +61,8 @@ def test_the_policy_pass_skips_a_backing_off_slot_and_takes_it_back_when_the_pau
     run_plan(db_engine, datetime.now(UTC), fail="w2.start")  # its server does not come up
     with transaction(db_engine) as session:
         assert session.get(Plan, first.plan).status is PlanStatus.FAILED
+    status = {w["id"]: w["start_backoff_until"] for w in read_fleet_status(db_engine)["workers"]}
+    assert status[2] is not None and status[1] is None and status[3] is None  # `pearlctl status` shows it
     again = tick(db_engine)
     assert again.ran and again.decision is not None, again.note
     assert 2 not in again.decision["target"]["members"]
