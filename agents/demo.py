@@ -15,7 +15,8 @@
 4. The trainer emulator (`agents.trainer`): the scenario's batches through the front door, progress,
    telemetry, training begin and end with a snapshot per step, and the preemptible trace replayed
    as grants and revocations with notice. Meanwhile the simulator runs the same scenario for every
-   system (`pearlctl sim compare`), at low priority.
+   system (`pearlctl sim compare`), at low priority. The run lasts the duration, or ends after
+   `steps` training steps when that is given (then without the simulator: its window is the duration).
 5. A live view while it runs; at the end, a summary from the database beside the simulator's figures.
    Ctrl-C, SIGTERM, or any component dying (named, with its last log lines) stops everything: no
    process is left behind.
@@ -74,6 +75,7 @@ class DemoConfig:
     speed: float = 10.0  # model seconds per wall second
     duration_s: float | None = None  # model seconds; None: the scenario's
     simulate: bool = True  # run the simulator beside (the `systems` and `simulated_tokens_per_s`)
+    steps: int | None = None  # end the run after this many training steps (then no simulator beside)
     loop_interval_s: float = 1.0
     settings: Settings = field(default_factory=get_settings)
 
@@ -189,14 +191,14 @@ class Demo:
                 fleet.start_agent(node, speed=self.cfg.speed, sim_args=sim_args)
                 fleet.start_worker(node)
             fleet.start_loop(self.cfg.loop_interval_s, lease_s=max(5.0, 5 * self.cfg.loop_interval_s))
-            if self.cfg.simulate:
+            if self.cfg.simulate and self.cfg.steps is None:  # the simulator's window is the duration
                 sim = self._simulate(duration)
             self._wait_ready(engine, len(nodes))
             cp = ControlPlane(engine=engine, broker_url=broker)
             spot = NODES[NodeZone.PREEMPTIBLE] if NODES[NodeZone.PREEMPTIBLE] in nodes else None
             self.trainer = TrainerEmulator(sc, cp, f"http://127.0.0.1:{port}", speed=self.cfg.speed,
                                            snapshot_dir=self.run_dir / "snapshots", preemptible_node=spot,
-                                           write_snapshot=write_demo_snapshot)
+                                           write_snapshot=write_demo_snapshot, steps=self.cfg.steps)
             if self._stop_reason is None:
                 self.trainer.grant_initial()
                 self._warm_up(engine)  # the simulator starts with its first fleet in place: so does the run
@@ -221,7 +223,7 @@ class Demo:
             "plans_applied": report["plans_applied"], "weight_syncs": report["weight_syncs"],
             "borrowed_returns": report["borrowed_returns"], "late_returns": report["late_returns"],
             "late_revocations": report["late_revocations"], "training_delay_s": report["training_delay_s"],
-            "scenario": sc.name, "speed": self.cfg.speed, "duration_s": duration,
+            "scenario": sc.name, "speed": self.cfg.speed, "duration_s": duration, "steps": self.cfg.steps,
             "simulated_tokens_per_s": simulated.get("pearl", {}).get("tokens_per_s") if simulated else None,
             "simulated_tokens_per_s_to_last_step":
                 simulated.get("pearl", {}).get("tokens_per_s_to_last_step") if simulated else None,

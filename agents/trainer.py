@@ -17,6 +17,9 @@ and step k-1 is done (`training_begin` waits for the borrowed GPUs and records a
 Preemptible GPUs: the scenario's trace replayed as grants and revocations with notice (the
 simulator's availability schedule, by whole workers).
 
+The run ends after its duration, or after `steps` training steps when that is given, whichever comes
+first.
+
 Times: the scenario's seconds are model seconds; the emulator sleeps them divided by `speed`, and
 reports throughput in model seconds (tokens over wall time x speed), like the simulator's metric.
 """
@@ -76,7 +79,7 @@ class TrainerEmulator:
     def __init__(self, scenario: Scenario, control_plane: ControlPlane, front_door: str, *, speed: float,
                  snapshot_dir: Path, duration_s: float | None = None, preemptible_node: str | None = None,
                  write_snapshot: Callable[[Path, int], str] | None = None, request_timeout_s: float = 600.0,
-                 retry_s: float = 60.0) -> None:
+                 retry_s: float = 60.0, steps: int | None = None) -> None:
         self.sc = scenario
         self.cp = control_plane
         self.url = front_door.rstrip("/")
@@ -87,6 +90,7 @@ class TrainerEmulator:
         self.write_snapshot = write_snapshot or write_demo_snapshot
         self.request_timeout_s = request_timeout_s
         self.retry_s = retry_s
+        self.steps = steps  # the run ends after this many training steps (None: its duration decides)
         self.stats = TrainerStats()
         self._stop = asyncio.Event()
         self._batches_done = 0
@@ -233,6 +237,8 @@ class TrainerEmulator:
                 self._trained = k + 1
                 self._batch_done.notify_all()
             k += 1
+            if self.steps is not None and k >= self.steps:
+                return  # the run's last step: ends the run
 
     # -- preemptible GPUs ----------------------------------------------------------------------------
 

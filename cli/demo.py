@@ -26,6 +26,9 @@ def demo(
     = 10.0,
     duration: Annotated[float | None, typer.Option(
         "--duration", help="Model seconds to run (default: the scenario's duration_s).")] = None,
+    steps: Annotated[int | None, typer.Option(
+        "--steps", help="End the run after this many training steps, or at --duration if that comes first "
+                        "(the simulator, whose window is the duration, is then not run).")] = None,
     simulate: Annotated[bool, typer.Option("--simulate/--no-simulate",
                                            help="Run the simulator beside, on the same scenario.")] = True,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
@@ -41,6 +44,8 @@ def demo(
         raise BadInput(f"--speed: between 0.1 and 1000 model seconds per wall second, not {speed:g}")
     if duration is not None and not 0 < duration <= 86400:
         raise BadInput(f"--duration: between 0 and 86400 model seconds, not {duration:g}")
+    if steps is not None and not 1 <= steps <= 100_000:
+        raise BadInput(f"--steps: between 1 and 100000 training steps, not {steps}")
     if plot is not None and plot.suffix.lower() != ".png":
         raise BadInput(f"--plot: a .png file, not {plot}")
     from rich.live import Live
@@ -50,7 +55,8 @@ def demo(
     def view(status: dict[str, Any], stats: Any, model_s: float) -> None:
         live.update(_render(status, stats, model_s, speed), refresh=True)
 
-    runner = Demo(DemoConfig(scenario=scenario, speed=speed, duration_s=duration, simulate=simulate),
+    runner = Demo(DemoConfig(scenario=scenario, speed=speed, duration_s=duration, simulate=simulate,
+                                    steps=steps),
                   view=view if err.is_terminal else None)
     with live if err.is_terminal else _nothing():
         result = runner.run()
@@ -143,6 +149,8 @@ def _summary_table(s: dict[str, Any]) -> Group:
             systems.add_row(name, f"{v['tokens_per_s']:,.0f}", str(v["rollout_steps"]), f"{v['gpu_seconds']:,.0f}",
                             str(v["reconfigurations"]))
         parts.append(systems)
+    if s.get("steps") and s["training_steps"] >= s["steps"]:
+        parts.append(Text(f"ended after {s['training_steps']} training steps (--steps)"))
     if s.get("stopped"):
         parts.append(Text(f"stopped early: {s['stopped']}", style="yellow"))
     return Group(*parts)

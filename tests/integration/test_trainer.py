@@ -23,7 +23,7 @@ from sqlalchemy import Engine, select
 
 pytestmark = pytest.mark.integration
 
-SPEED = 1000.0  # the demo scenario's ten model minutes in 0.6 s
+SPEED = 1000.0  # model seconds per wall second
 
 
 def test_the_run_outlasts_the_trace_and_replays_every_change_within_its_duration(db_engine: Engine,
@@ -33,13 +33,14 @@ def test_the_run_outlasts_the_trace_and_replays_every_change_within_its_duration
     assert changes[-1].t < sc.duration_s  # the trace ends before the run must
     with transaction(db_engine, actor="test", reason="demo inventory") as session:
         import_inventory(session, inventory_for(sc, SPEED))
-    trainer = TrainerEmulator(sc, ControlPlane(engine=db_engine), f"http://127.0.0.1:{free_port()}", speed=SPEED,
+    speed = SPEED / 4  # the last change is 120 model s before the end: 0.5 s of wall time for its calls
+    trainer = TrainerEmulator(sc, ControlPlane(engine=db_engine), f"http://127.0.0.1:{free_port()}", speed=speed,
                               snapshot_dir=tmp_path, preemptible_node=NODES[NodeZone.PREEMPTIBLE], retry_s=0.05)
     assert trainer.grant_initial() == 2 * sc.tp  # the two slots granted at t=0
 
     stats = asyncio.run(trainer.run())
 
-    assert stats.elapsed() * SPEED >= sc.duration_s
+    assert stats.elapsed() * speed >= sc.duration_s
     window = stats.elapsed()
     time.sleep(0.05)
     assert stats.elapsed() == window  # the metric's window closed with the run, not when it is read
@@ -60,3 +61,18 @@ def test_the_summary_measures_the_metric_over_the_run_and_the_companion_to_the_l
     assert s["tokens_per_s"] == 60_000 / 600.0
     assert s["tokens_per_s_to_last_step"] == 60_000 / 500.0
     assert summary(TrainerStats(started=0.0, ended=1.0), speed=10.0)["tokens_per_s_to_last_step"] == 0.0
+
+
+def test_a_run_given_steps_ends_after_its_last_training_step(db_engine: Engine, tmp_path: Path) -> None:
+    sc = load_scenario("demo-qwen3-30b-a3b-seg2").model_copy(update={"duration_s": 36_000.0})
+    with transaction(db_engine, actor="test", reason="demo inventory") as session:
+        import_inventory(session, inventory_for(sc, SPEED))
+    trainer = TrainerEmulator(sc, ControlPlane(engine=db_engine), f"http://127.0.0.1:{free_port()}", speed=SPEED,
+                              snapshot_dir=tmp_path, retry_s=0.05, steps=2)
+
+    stats = asyncio.run(trainer.run())
+
+    assert stats.training_steps == 2
+    assert stats.elapsed() * SPEED < sc.duration_s  # the steps ended it, not the duration
+    assert stats.last_trained_s == pytest.approx(stats.elapsed(), abs=0.5)  # it ended with the last step
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v1", "v2"]  # a snapshot each step, no third

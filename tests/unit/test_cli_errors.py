@@ -259,3 +259,18 @@ def test_a_simulated_server_refuses_bad_options_before_it_serves(args, field) ->
     assert res.exit_code == 2, res.output
     assert field in res.output
     no_traceback(res)
+
+
+@pytest.mark.parametrize(("args", "field"), [
+    (("--speed", "0"), "--speed"),
+    (("--duration", "-5"), "--duration"),
+    (("--steps", "0"), "--steps"),
+    (("--plot", "timeline.svg"), "--plot"),
+])
+def test_the_demo_refuses_bad_options_before_it_starts_anything(tmp_path: Path, monkeypatch, args, field) -> None:
+    monkeypatch.setenv("PEARL_HOME", str(tmp_path / "home"))
+    res = invoke("demo", "--json", *args)
+    assert res.exit_code == 2, res.output
+    assert json.loads(res.stdout)["field"] == field
+    assert not (tmp_path / "home").exists()  # nothing started, nothing written
+    no_traceback(res)
