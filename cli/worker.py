@@ -3,6 +3,8 @@
 It consumes the queue `node.<NAME>` (broker: PEARL_BROKER_URL, else the embedded Redis, started if
 needed), one task per thread at a time. SIGTERM: it finishes the tasks it runs, then exits 0; a
 SIGKILL loses nothing (the tasks are acknowledged after they ran, and the rows say what is done).
+A worker whose consumer stalls (its queue holds work, a thread stays free for `--stall-s`) starts
+itself again in place, keeping its PID.
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ def worker(
     concurrency: Annotated[int, typer.Option("--concurrency", min=1, help="Syncs run at once (threads).")] = 4,
     resend_s: Annotated[float, typer.Option("--resend-s", min=1.0,
                                             help="Send the node's unfinished syncs again this often.")] = 30.0,
+    stall_s: Annotated[float, typer.Option("--stall-s", min=1.0,
+                                           help="Start again in place when the queue holds work and a thread "
+                                                "stays free this long.")] = 60.0,
     json_logs: Annotated[bool, typer.Option("--json-logs", help="Log JSON lines.")] = False,
 ) -> None:
     """Run a node's weight-sync worker until SIGTERM."""
@@ -41,7 +46,7 @@ def worker(
     require_schema(celery_app.engine())
     app = celery_app.create_app(broker, node)
     celery_app.resend_pending(app, broker, node)
-    resender = celery_app.Resender(app, broker, node, resend_s)
+    resender = celery_app.Resender(app, broker, node, resend_s, concurrency=concurrency, stall_s=stall_s)
     resender.start()
     w = app.Worker(queues=[queue_name(node)], pool="threads", concurrency=concurrency,
                    hostname=f"pearl-{node}@{socket.gethostname()}", loglevel="INFO", without_gossip=True,

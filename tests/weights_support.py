@@ -90,10 +90,10 @@ class LiveFleet:
         thread.start()
         self.agents.append((agent, thread))
 
-    def start_worker(self, node: str, concurrency: int = 4) -> subprocess.Popen:
+    def start_worker(self, node: str, concurrency: int = 4, stall_s: float = 60.0) -> subprocess.Popen:
         log = (self.run_dir / f"worker-{node}.log").open("ab")
         proc = subprocess.Popen([str(PEARLCTL), "worker", "--node", node, "--concurrency", str(concurrency),
-                                 "--resend-s", "2"],
+                                 "--resend-s", "2", "--stall-s", str(stall_s)],
                                 env=self.env, cwd=REPO, stdin=subprocess.DEVNULL, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True)
         log.close()
@@ -145,8 +145,12 @@ class LiveFleet:
                 "loads": state["weight_loads"], "paused": state["paused"]}
 
     def wait_versions(self, members: set[int], version: int, timeout_s: float = 60.0) -> None:
-        wait_for(lambda: all(self.versions().get(w, -1) >= version for w in members), timeout_s,
-                 f"workers {sorted(members)} at version {version} (now {self.versions()})")
+        try:
+            wait_for(lambda: all(self.versions().get(w, -1) >= version for w in members), timeout_s,
+                     f"workers {sorted(members)} at version {version}")
+        except AssertionError as exc:
+            logs = "\n".join(f"--- worker {node}:\n{self.worker_log(node)}" for node in self.workers)
+            raise AssertionError(f"{exc} (now {self.versions()})\n{logs}") from None
 
     def assert_running(self, node: str) -> None:
         proc = self.workers[node]

@@ -179,7 +179,7 @@ def test_a_broker_restart_loses_no_sync(db_engine: Engine, database_url: str, tm
     try:
         live.start_agent("node-a")
         live.serve({1, 2})
-        live.start_worker("node-a")
+        live.start_worker("node-a", stall_s=10)  # a consumer that does not come back is started again
         live.train(1, 1)
         live.wait_versions({1, 2}, 1)
         stop_redis(home)  # the broker goes away (no persistence: its queues are gone)
@@ -192,6 +192,32 @@ def test_a_broker_restart_loses_no_sync(db_engine: Engine, database_url: str, tm
     finally:
         live.stop()
         stop_redis(home)
+
+
+@pytest.mark.reliability
+@pytest.mark.parametrize("broker", ["redis"], indirect=True)
+def test_a_worker_whose_consumer_stalls_starts_again_in_place_and_loses_no_sync(live: LiveFleet) -> None:
+    from pearl.controlplane.weights.dispatch import make_celery, queue_name
+
+    live.start_agent("node-a")
+    live.serve({1, 2})
+    proc = live.start_worker("node-a", stall_s=3)
+    live.train(1, 1)
+    live.wait_versions({1, 2}, 1)
+    # the consumer stops taking from its queue while the process lives on: what a broken broker
+    # reconnection leaves behind
+    app = make_celery(live.broker)
+    try:
+        replies = app.control.cancel_consumer(queue_name("node-a"), reply=True, timeout=10)
+    finally:
+        app.close()
+    assert replies, "the worker did not answer the remote control"
+    live.train(2, 2)
+    live.wait_versions({1, 2}, 2, timeout_s=60)
+    log = (live.run_dir / "worker-node-a.log").read_text(errors="replace")
+    assert "took nothing from its queue" in log and proc.poll() is None  # the same process, started again
+    assert all(version_moves(live.engine, w, 2) == 1 for w in (1, 2))
+    assert live.stop_worker("node-a") == 0, live.worker_log("node-a")  # and it still stops cleanly
 
 
 @pytest.mark.parametrize("broker", ["redis"], indirect=True)
