@@ -10,6 +10,9 @@ at any instant and a new one carries on. The loop:
 - claims up to `max_steps` ready steps of its node in one statement (`claim_steps`, SKIP LOCKED, at
   most one per worker) and enacts each in a thread of its own (`agents.steps`);
 - runs a reaper pass every `reap_every_s` while it holds the `reaper` leader lease;
+- watches the servers of its node's active workers every `watch_s` (`agents.server_watch`): one whose
+  process is gone and that does not answer for `crash_after_s` is taken out of service, its GPUs
+  freed, and off the front door;
 - reports each step with the fenced effect transaction: succeeded only with its effect in the rows;
   failed with the driver's message; cancelled once its plan stopped.
 SIGTERM: it claims nothing more, lets the steps in hand finish for up to `grace_s`, hands back what is
@@ -31,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pearl.agents.drivers.base import Driver
+from pearl.agents.server_watch import ServerWatch
 from pearl.agents.steps import HANDLERS, FrontDoorAPI, ServerAPI, StepCancelled, StepContext, Timeouts
 from pearl.controlplane.core.domain import PlanStatus, StepStatus
 from pearl.controlplane.errors import ClaimLost, DatabaseUnavailable, PearlError
@@ -54,12 +58,14 @@ class AgentConfig:
     agent_timeout_s: float = 30.0  # the reaper treats an agent silent this long as gone
     max_attempts: int = 3  # claims of one step that may expire before it fails
     grace_s: float = 20.0  # SIGTERM: how long the steps in hand may take before they are handed back
+    watch_s: float = 2.0  # how often the servers of active workers are looked at
+    crash_after_s: float = 10.0  # a server gone (no process, no answer) this long has crashed
     timeouts: Timeouts = field(default_factory=Timeouts)
 
 
 class Agent:
     def __init__(self, engine: Any, config: AgentConfig, driver: Driver, *,
-                 client: Callable[[str], ServerAPI], front_door: Callable[[], FrontDoorAPI]) -> None:
+                 client: Callable[[str, int | None], ServerAPI], front_door: Callable[[], FrontDoorAPI]) -> None:
         self.engine = engine
         self.config = config
         self.driver = driver
@@ -90,6 +96,8 @@ class Agent:
                  extra={"action": "start_agent"})
         listener = threading.Thread(target=self._listen, name=f"listen-{c.node}", daemon=True)
         listener.start()
+        watcher = threading.Thread(target=self._watch, name=f"watch-{c.node}", daemon=True)
+        watcher.start()
         next_beat = next_reap = 0.0
         try:
             while not self._stop.is_set():
@@ -213,6 +221,29 @@ class Agent:
             log.warning("%s: %s", ctx.step["key"], exc, extra={"action": "claim_lost"})
         except PearlError as exc:  # the lease runs out and the reaper takes the step back
             log.warning("%s: could not report %s: %s", ctx.step["key"], status, exc)
+
+    # -- the servers between steps --------------------------------------------------------------
+
+    def _health(self, endpoint: str) -> bool:
+        api = self.client(endpoint, None)
+        try:
+            return bool(api.health())
+        except Exception:  # a client that raises for a server that does not answer: not healthy
+            return False
+        finally:
+            close = getattr(api, "close", None)
+            if close is not None:
+                close()
+
+    def _watch(self) -> None:
+        c = self.config
+        watch = ServerWatch(self.engine, c.node, self.driver, self._health, self.front_door, c.crash_after_s)
+        while not self._stop.wait(c.watch_s):
+            try:
+                if watch.check():
+                    self._wake.set()
+            except Exception as exc:  # the database may be away a while: look again next time
+                log.warning("watching the servers: %s", exc, extra={"action": "watch_failed"})
 
     # -- wake-ups -------------------------------------------------------------------------------
 

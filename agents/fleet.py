@@ -68,12 +68,13 @@ class LocalFleet:
                                           "--register"])
 
     def start_agent(self, node: str, *, speed: float, sim_args: Iterable[str] = (), lease_s: float = 10.0,
-                    poll_s: float = 0.2) -> Proc:
+                    poll_s: float = 0.2, crash_after_s: float = 10.0) -> Proc:
         self.nodes.append(node)
         return self._start(f"agent {node}", [self.pearlctl, "agent", "--node", node, "--driver", "sim",
                                             "--speed", repr(speed), "--sim-args", " ".join(sim_args),
                                             "--run-dir", str(self.run_dir / "servers" / node),
-                                            "--lease-s", repr(lease_s), "--poll-s", repr(poll_s)])
+                                            "--lease-s", repr(lease_s), "--poll-s", repr(poll_s),
+                                            "--crash-after-s", repr(crash_after_s)])
 
     def start_worker(self, node: str) -> Proc:
         return self._start(f"worker {node}", [self.pearlctl, "worker", "--node", node])

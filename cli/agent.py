@@ -30,6 +30,9 @@ def agent(
     lease: Annotated[float, typer.Option("--lease-s", min=0.5, help="Lease of a step claim (seconds).")] = 20.0,
     poll: Annotated[float, typer.Option("--poll-s", min=0.01, help="Claim at least this often (seconds).")] = 1.0,
     max_steps: Annotated[int, typer.Option("--max-steps", min=1, help="Steps enacted at once.")] = 8,
+    crash_after: Annotated[float, typer.Option(
+        "--crash-after-s", min=0.5, help="An active worker's server gone (no process, no answer) this long has "
+                                         "crashed: out of service, its GPUs free.")] = 10.0,
     json_logs: Annotated[bool, typer.Option("--json-logs", help="One JSON object per log line.")] = False,
 ) -> None:
     """Claim this node's plan steps and enact them through the driver; stops cleanly on SIGTERM (the
@@ -53,7 +56,7 @@ def agent(
         where = run_dir or Path(get_settings().home) / "run" / node
         the_driver = make_driver(driver, where, **options)
         the_agent = Agent(engine, AgentConfig(node=node, driver=driver, lease_s=lease, poll_s=poll,
-                                              max_steps=max_steps),
+                                              max_steps=max_steps, crash_after_s=crash_after),
                           the_driver, client=_client, front_door=lambda: _front_door(engine))
         signal.signal(signal.SIGTERM, lambda *_: the_agent.stop())
         signal.signal(signal.SIGINT, lambda *_: the_agent.stop())

@@ -80,12 +80,14 @@ class LiveFleet:
         self.workers: dict[str, subprocess.Popen] = {}
         self.cp = ControlPlane(engine=engine, broker_url=broker)
 
-    def start_agent(self, node: str) -> None:
+    def start_agent(self, node: str, crash_after_s: float = 60.0,
+                    front_door: Callable[[], Any] = NoFrontDoor) -> None:
         driver = self.drivers.setdefault(node, make_driver("sim", self.run_dir / "servers" / node, speed=SPEED,
                                                            extra_args=self.sim_args))
         config = AgentConfig(node=node, driver="sim", lease_s=self.lease_s, poll_s=0.1, heartbeat_s=0.5,
+                             watch_s=0.2, crash_after_s=crash_after_s,
                              timeouts=Timeouts(ready_s=30, idle_s=5, poll_s=0.02, weights_s=self.weights_s))
-        agent = Agent(self.engine, config, driver, client=client, front_door=NoFrontDoor)
+        agent = Agent(self.engine, config, driver, client=client, front_door=front_door)
         thread = threading.Thread(target=agent.run, name=f"agent-{node}", daemon=True)
         thread.start()
         self.agents.append((agent, thread))

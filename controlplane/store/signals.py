@@ -172,10 +172,10 @@ def borrowed_return_decided(session: Session, worker_ids: set[int], at: datetime
     )
 
 
-def borrowed_worker_returned(session: Session, worker_id: int, plan_id: int) -> None:
+def borrowed_worker_returned(session: Session, worker_id: int, plan_id: int | None) -> None:
     """Its GPUs are back: close the leases (when the return began: when the policy decided it, else
-    the first step of this plan on the worker, a drain usually; how late: past the trainer's
-    request), and start a training step that waited for them."""
+    the first step of this plan on the worker, a drain usually, or now with no plan (its server
+    crashed); how late: past the trainer's request), and start a training step that waited for them."""
     now = _now(session)
     began = session.scalar(select(func.min(PlanStep.started_at)).where(
         PlanStep.plan_id == plan_id, PlanStep.worker_id == worker_id, PlanStep.started_at.is_not(None))) or now

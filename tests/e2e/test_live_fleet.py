@@ -4,6 +4,7 @@ the store, a steady stream of multi-turn requests through the front door."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -44,7 +45,7 @@ def live(db_engine: Engine, database_url: str, tmp_path: Path) -> Iterator[tuple
     port = free_port()
     fleet.start_front_door(port)
     for node in ("node-a", "node-b"):
-        fleet.start_agent(node, speed=50.0, sim_args=("--startup-s", "5"), lease_s=3.0, poll_s=0.1)
+        fleet.start_agent(node, speed=50.0, sim_args=("--startup-s", "5"), lease_s=3.0, poll_s=0.1, crash_after_s=2.0)
     try:
         _wait(lambda: _ready(db_engine), 90, fleet)
         yield fleet, f"http://127.0.0.1:{port}"
@@ -127,3 +128,28 @@ def test_an_agent_killed_mid_step_is_rescued_and_the_step_takes_effect_once(
         assert w1.activity is Activity.ACTIVE and w1.generation == 1  # started once, whoever ran the step
     servers = fleet.run_dir / "servers" / "node-a"
     assert len(list(servers.glob("worker-1.json"))) == 1  # one server serves it
+
+
+def test_a_server_killed_under_load_loses_no_request_and_a_plan_brings_its_worker_back(
+        live: tuple[LocalFleet, str], db_engine: Engine) -> None:
+    fleet, url = live
+    assert _apply(db_engine, Target(ALL, {Role.COLOCATED: 4}))["status"] == "succeeded"
+    load = Load(url, trajectories=6).start()
+    try:
+        load.wait_turns(5, timeout_s=60)
+        endpoint = _roles(db_engine)[2][2]
+        record = json.loads((fleet.run_dir / "servers" / "node-a" / "worker-2.json").read_text())
+        pid = int(record["server"]["pid"])
+        os.kill(pid, signal.SIGKILL)  # worker 2's server dies between plans, requests in flight
+        _wait(lambda: _roles(db_engine)[2][0] is Activity.INACTIVE, 60, fleet)  # out of service, by its agent
+        routed = httpx.get(url + "/pearl/state", timeout=10).json()["children"]
+        assert endpoint not in {w["url"] for child in routed.values() for w in child["workers"]}  # off the front door
+        turns = load.turns
+        load.wait_turns(turns + 5, timeout_s=60)  # the others carry the load
+        assert _apply(db_engine, Target(ALL, {Role.COLOCATED: 4}))["status"] == "succeeded"  # and it comes back
+        assert _roles(db_engine)[2][0] is Activity.ACTIVE
+        load.wait_turns(load.turns + 5, timeout_s=60)
+    finally:
+        load.stop()
+    assert load.failures == []  # every request of a killed server was finished by another
+    assert fleet.check() is None

@@ -165,6 +165,28 @@ def test_training_waits_for_borrowed_gpus_and_the_lateness_is_recorded(cp: Contr
     assert gpu_states(cp.engine, "training") == {GPUState.TRAINING}
 
 
+def test_an_overlap_server_that_crashed_gives_its_borrowed_gpus_back_and_training_starts(cp: ControlPlane,
+                                                                                       clock) -> None:
+    from pearl.controlplane.store import crashes
+
+    serve(cp.engine, {1, 3})  # overlap worker 1 borrows train-0's GPUs 0, 1
+    with pytest.raises(ReturnsLate):
+        cp.training_begin(1, wait_s=0)
+    with transaction(cp.engine) as session:
+        seen = {s.worker_id: s for s in crashes.serving(session, "train-0")}
+    assert set(seen) == {1}
+    with transaction(cp.engine, actor="agent train-0", reason="the server of worker 1 is gone") as session:
+        assert crashes.mark_crashed(session, seen[1])
+    with transaction(cp.engine) as session:
+        w1 = session.get(Worker, 1)
+        assert w1.activity is Activity.INACTIVE and w1.role is Role.TRAINING and w1.endpoint is None
+        assert session.get(TrainingStep, 1).started_at is not None  # it waited for them; they are back
+        leases = session.scalars(select(Lease).where(Lease.kind == "borrowed")).all()
+        assert len(leases) == 2 and all(lease.returned_at is not None for lease in leases)
+        assert crashes.serving(session, "train-0") == [] and not crashes.mark_crashed(session, seen[1])
+    assert gpu_states(cp.engine, "training") == {GPUState.TRAINING}
+
+
 def test_a_revocation_notice_then_its_deadline_takes_the_gpus_whatever_holds_them(cp: ControlPlane, clock) -> None:
     with transaction(cp.engine) as session:
         spot = session.scalars(select(GPU.id).where(GPU.zone == "preemptible").order_by(GPU.id)).all()

@@ -1,0 +1,72 @@
+"""The node agent's watch over the servers of its active workers: a server that died is found between
+plans, not only by the next step that needs it.
+
+Every pass looks at the node's active workers that no plan step and no weight sync is at work on
+(`store.crashes.serving`). A server is down when the driver runs no process for the worker and its
+endpoint does not answer `/health` (a server restarted by other means and answering is not down; a
+live process that is slow to answer, paused for a weights load say, is not either). Down for
+`crash_after_s` in a row, it is crashed: the rows take the worker out of service and free its GPUs
+(`store.crashes.mark_crashed`, a compare-and-set on the endpoint and generation seen), then the
+front door stops routing to it. The policy plans the capacity back.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from pearl.agents.drivers.base import Driver
+from pearl.agents.steps import FrontDoorAPI
+from pearl.controlplane.store import crashes
+from pearl.controlplane.store.db import transaction
+
+log = logging.getLogger("pearl.agent")
+
+
+class ServerWatch:
+    def __init__(self, engine: Any, node: str, driver: Driver, health: Callable[[str], bool],
+                 front_door: Callable[[], FrontDoorAPI], crash_after_s: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.engine, self.node, self.driver = engine, node, driver
+        self.health, self.front_door = health, front_door
+        self.crash_after_s = crash_after_s
+        self.clock = clock
+        self.down_since: dict[crashes.Serving, float] = {}
+
+    def down(self, seen: crashes.Serving) -> bool:
+        server = self.driver.running(seen.worker_id)
+        if server is not None and server.generation == seen.generation:
+            return False
+        return not self.health(seen.endpoint)
+
+    def check(self) -> list[int]:
+        """One pass: the workers it found crashed (and took out of service)."""
+        with transaction(self.engine) as session:
+            watched = crashes.serving(session, self.node)
+        now = self.clock()
+        self.down_since = {s: t for s, t in self.down_since.items() if s in watched}
+        crashed = []
+        for seen in watched:
+            if not self.down(seen):
+                self.down_since.pop(seen, None)
+                continue
+            since = self.down_since.setdefault(seen, now)
+            if now - since < self.crash_after_s:
+                continue
+            reason = (f"the server of worker {seen.worker_id} at {seen.endpoint} (generation {seen.generation}) "
+                      f"is gone: no process, no answer for {now - since:.0f} s")
+            with transaction(self.engine, actor=f"agent {self.node}", reason=reason) as session:
+                taken = crashes.mark_crashed(session, seen)
+            self.down_since.pop(seen, None)
+            if not taken:
+                continue
+            log.error("%s: worker %s out of service, its GPUs free", reason, seen.worker_id,
+                      extra={"action": "server_crashed"})
+            crashed.append(seen.worker_id)
+            try:
+                self.front_door().deregister(seen.endpoint)
+            except Exception as exc:  # the front door drops a dead server by itself too; the rows are done
+                log.warning("front door: could not deregister %s: %s", seen.endpoint, exc)
+        return crashed

@@ -1,0 +1,146 @@
+"""A server that dies under an active worker between plans: the node agent's watch takes the worker out
+of service and frees its GPUs (agents/server_watch.py, controlplane/store/crashes.py), and a plan brings
+the capacity back. Real agents (threads) driving simulated servers, on a real PostgreSQL."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from pearl.agents.server_watch import ServerWatch
+from pearl.controlplane.core.domain import Role
+from pearl.controlplane.core.fleet import Target
+from pearl.controlplane.store import crashes, plan_store
+from pearl.controlplane.store.db import transaction
+from pearl.controlplane.store.queries import query
+from plan_support import propose
+from sqlalchemy import Engine, text
+from weights_support import LiveFleet, bring_up, wait_for
+
+pytestmark = [pytest.mark.integration, pytest.mark.reliability]
+
+
+class RecordingFrontDoor:
+    """The front door's part the watch calls, recording what it was asked."""
+
+    def __init__(self) -> None:
+        self.deregistered: list[str] = []
+
+    def register(self, url: str, role: str, bootstrap_port: int | None = None) -> None:
+        return None
+
+    def deregister(self, url: str) -> None:
+        self.deregistered.append(url)
+
+    def set_mode(self, mode: str) -> None:
+        return None
+
+
+def worker(engine: Engine, worker_id: int) -> dict:
+    with transaction(engine) as s:
+        return dict(s.execute(text("SELECT activity, role, endpoint, generation FROM workers WHERE id = :w"),
+                              {"w": worker_id}).mappings().one())
+
+
+def gpus(engine: Engine, worker_id: int) -> list[tuple[str, int | None]]:
+    with transaction(engine) as s:
+        return [tuple(r) for r in s.execute(text(
+            "SELECT state, worker_id FROM gpus WHERE slot_id = :w ORDER BY device_index"), {"w": worker_id})]
+
+
+@pytest.fixture
+def live(db_engine: Engine, database_url: str, broker_url: str, tmp_path: Path, pearlctl_env: dict[str, str]):
+    fleet = bring_up(db_engine, database_url, broker_url, tmp_path, pearlctl_env)
+    try:
+        yield fleet
+    finally:
+        fleet.stop()
+
+
+def test_a_server_killed_between_plans_is_taken_out_of_service_and_a_plan_brings_it_back(live: LiveFleet) -> None:
+    door = RecordingFrontDoor()
+    live.start_agent("node-a", crash_after_s=1.0, front_door=lambda: door)
+    live.serve({1, 2})
+    before = worker(live.engine, 2)
+    dead = live.drivers["node-a"].running(2)
+    assert dead is not None and before["activity"] == "active"
+
+    os.kill(dead.pid, signal.SIGKILL)
+    wait_for(lambda: worker(live.engine, 2)["activity"] == "inactive", 30, "worker 2 out of service")
+
+    assert worker(live.engine, 2)["endpoint"] is None
+    assert gpus(live.engine, 2) == [("free", None), ("free", None)]  # no GPU lost with its server
+    assert worker(live.engine, 1)["activity"] == "active"  # its neighbour's server still answers
+    assert door.deregistered == [before["endpoint"]]
+    with transaction(live.engine) as s:
+        reasons = s.scalars(text("SELECT DISTINCT reason FROM events WHERE entity = 'workers' AND entity_id = '2' "
+                                 "AND op = 'update' AND new ->> 'activity' = 'inactive'")).all()
+    assert len(reasons) == 1 and "is gone: no process, no answer" in reasons[0]
+
+    live.serve({1, 2})  # the policy's next plan starts it again on the same GPUs
+    after = worker(live.engine, 2)
+    assert after["activity"] == "active" and after["generation"] == before["generation"] + 1
+    assert gpus(live.engine, 2) == [("bound", 2), ("bound", 2)]
+    assert live.drivers["node-a"].running(2) is not None
+
+
+def test_a_server_restarted_by_other_means_or_alive_but_silent_is_not_declared_crashed(live: LiveFleet) -> None:
+    live.start_agent("node-a", crash_after_s=60.0)
+    live.serve({1, 2})
+    seen = {s.worker_id: s for s in _serving(live)}
+    driver = live.drivers["node-a"]
+    clock = [0.0]
+    answers = {seen[1].endpoint: False, seen[2].endpoint: True}
+    watch = ServerWatch(live.engine, "node-a", driver, lambda ep: answers[ep], RecordingFrontDoor,
+                        crash_after_s=5.0, clock=lambda: clock[0])
+    assert watch.check() == []  # worker 1: its process runs, silent or not; worker 2 answers
+    driver.stop(2, grace_s=5.0)  # worker 2's process is gone, but something answers at its endpoint
+    for clock[0] in (0.0, 10.0, 20.0):
+        assert watch.check() == []
+    answers[seen[2].endpoint] = False  # now nothing answers: down from here, crashed 5 s later
+    clock[0] = 30.0
+    assert watch.check() == [] and worker(live.engine, 2)["activity"] == "active"
+    clock[0] = 35.0
+    assert watch.check() == [2] and worker(live.engine, 2)["activity"] == "inactive"
+    assert worker(live.engine, 1)["activity"] == "active"
+
+
+def test_the_rows_refuse_a_crash_that_does_not_match_what_was_seen(live: LiveFleet) -> None:
+    live.start_agent("node-a", crash_after_s=60.0)
+    live.serve({1, 2})
+    seen = {s.worker_id: s for s in _serving(live)}
+    stale = crashes.Serving(2, seen[2].endpoint, seen[2].generation - 1)  # an older start of the slot
+    moved = crashes.Serving(2, "http://127.0.0.1:1", seen[2].generation)
+    for wrong in (stale, moved):
+        with transaction(live.engine) as s:
+            assert not crashes.mark_crashed(s, wrong)
+    assert worker(live.engine, 2)["activity"] == "active"
+    # a step of a plan running on the worker: the step deals with its server, the watch leaves it be
+    for agent, thread in live.agents:  # no agent enacts it: the step stays running
+        agent.stop()
+        thread.join(30)
+    live.agents.clear()
+    plan_id = propose(live.engine, Target(frozenset({1}), {Role.COLOCATED: 1}, reason="test"))
+    plan_store.apply(live.engine, plan_id)
+    with transaction(live.engine) as s:
+        node_id, agent_id = s.execute(text("SELECT node_id, max(id) FROM agents GROUP BY node_id")).one()
+        claimed = s.execute(query("claim_steps"), {"node_id": node_id, "agent_id": agent_id, "lease_s": 60,
+                                                   "limit": 8}).mappings().all()
+    assert [r["worker_id"] for r in claimed] == [2]
+    with transaction(live.engine) as s:
+        assert crashes.serving(s, "node-a") == [seen[1]]
+        assert not crashes.mark_crashed(s, seen[2])
+    assert worker(live.engine, 2)["activity"] == "active"
+
+
+def _serving(live: LiveFleet) -> list[crashes.Serving]:
+    deadline = time.monotonic() + 30
+    while True:
+        with transaction(live.engine) as s:
+            found = crashes.serving(s, "node-a")
+        if len(found) == 2 or time.monotonic() > deadline:
+            return found
+        time.sleep(0.1)
