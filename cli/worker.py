@@ -3,13 +3,15 @@
 It consumes the queue `node.<NAME>` (broker: PEARL_BROKER_URL, else the embedded Redis, started if
 needed), one task per thread at a time. SIGTERM: it finishes the tasks it runs, then exits 0; a
 SIGKILL loses nothing (the tasks are acknowledged after they ran, and the rows say what is done).
-A worker whose consumer stalls (its queue holds work, a thread stays free for `--stall-s`) starts
-itself again in place, keeping its PID.
+A worker whose consumer stalls (its queue holds work, a thread stays free for `--stall-s`), or whose
+Celery worker stops on an error it was not asked to stop for, starts itself again in place, keeping
+its PID.
 """
 
 from __future__ import annotations
 
 import socket
+import time
 from typing import Annotated
 
 import typer
@@ -55,4 +57,10 @@ def worker(
         w.start()
     finally:
         resender.stopped.set()
+    if w.exitcode and not celery_app.shutting_down():
+        # Celery gave up on an error nobody asked for (a broker connection lost mid-acknowledgement can
+        # end it as "unrecoverable"): start again in place, as a service manager would
+        celery_app.log.error("the worker of %s stopped on an error (exit %s): starting it again", node, w.exitcode)
+        time.sleep(2.0)
+        celery_app.restart_in_place()
     raise typer.Exit(w.exitcode or 0)
