@@ -59,7 +59,7 @@ def _demo(home: Path, *args: str) -> subprocess.Popen:
 def test_a_short_demo_runs_the_whole_system_and_leaves_nothing_behind(tmp_path: Path, home: Path) -> None:
     # two training steps, however long a loaded machine takes over them (the second's rollout serves
     # the weights the first wrote)
-    demo = _demo(home, "--steps", "2", "--duration", "3000", "--speed", "10", "--json", "--no-simulate",
+    demo = _demo(home, "--steps", "2", "--duration", "3000", "--speed", "20", "--json", "--no-simulate",
                  "--plot", str(tmp_path / "demo.png"))
     try:
         out, err = demo.communicate(timeout=400)
