@@ -196,8 +196,9 @@ class Agent:
             self._report(ctx, StepStatus.FAILED, f"{type(exc).__name__}: {exc}" if not isinstance(exc, PearlError)
                          else str(exc))
         finally:
-            with self._lock:
-                self._in_hand.pop(ctx.id, None)
+            with self._lock:  # only this claim's context: the step may have been claimed again since
+                if self._in_hand.get(ctx.id) is ctx:
+                    del self._in_hand[ctx.id]
             self._wake.set()
 
     def _stopped(self, ctx: StepContext, reason: str) -> None:
@@ -206,8 +207,10 @@ class Agent:
         elif reason == "shutdown":
             try:
                 with transaction(self.engine, actor=f"agent {self.config.node}") as session:
-                    session.execute(query("hand_back_step"), {"step_id": ctx.id, "fence": ctx.fence})
-                log.info("%s handed back", ctx.step["key"], extra={"action": "hand_back_step"})
+                    row = session.execute(query("hand_back_step"), {"step_id": ctx.id, "fence": ctx.fence}).first()
+                stopped = row is not None and row.status != StepStatus.READY.value
+                log.info("%s handed back%s", ctx.step["key"], " (its plan stopped: cancelled)" if stopped else "",
+                         extra={"action": "hand_back_step"})
             except PearlError as exc:
                 log.warning("%s: could not hand back: %s", ctx.step["key"], exc)
 

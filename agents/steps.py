@@ -132,7 +132,10 @@ class StepContext:
         return self.step.get("args") or {}
 
     def stop(self, reason: str) -> None:
-        self.cancel_reason = reason
+        """Ask the handler to stop; the first reason stands (a plan that stopped applying, or a lost
+        claim, is not turned into a hand-back by the shutdown that follows)."""
+        if not self.cancel.is_set():
+            self.cancel_reason = reason
         self.cancel.set()
 
     def check(self) -> None:

@@ -135,6 +135,47 @@ def test_renewal_tells_a_running_step_that_its_plan_was_aborted(cluster_engine: 
         assert session.get(PlanStep, step["id"]).status is StepStatus.CANCELLED
 
 
+def test_a_step_handed_back_after_its_plan_failed_is_cancelled_and_its_cleanup_runs(cluster_engine: Engine,
+                                                                                     clock) -> None:
+    """An agent stopping (SIGTERM) hands back the step it holds; if the plan failed meanwhile, the step
+    must not become ready again: nothing of a failed plan runs, and a ready step of it would stand
+    first in its worker's line for ever, so the cleanup plan's steps for that worker never run."""
+    plan_id = propose(cluster_engine)
+    plan_store.apply(cluster_engine, plan_id)
+    held = _by_key(claim_ready(cluster_engine, clock()))["w3.start"]
+    with transaction(cluster_engine) as session:  # the start took the GPUs; the server is starting
+        step_effects.begin(session, step_effects.claimed_step(session, held["id"], held["fence"]))
+    failed = plan_store.abort(cluster_engine, plan_id)
+    assert failed.cleanup is not None and 3 in failed.release
+    with transaction(cluster_engine) as session:  # the agent is stopped before it saw the plan fail
+        row = session.execute(query("hand_back_step"), {"step_id": held["id"], "fence": held["fence"]}).one()
+    assert row.status == StepStatus.CANCELLED.value
+    with transaction(cluster_engine) as session:
+        step = session.get(PlanStep, held["id"])
+        assert step.status is StepStatus.CANCELLED and step.finished_at is not None
+    claimed = _by_key(claim_ready(cluster_engine, clock()))
+    assert claimed["w3.interrupt"]["plan_id"] == failed.cleanup  # the cleanup takes the worker over
+    assert set(claimed) == {"w3.interrupt"}
+    report(cluster_engine, claimed["w3.interrupt"], StepStatus.SUCCEEDED, clock())
+    run_plan(cluster_engine, clock())
+    with transaction(cluster_engine) as session:
+        assert session.get(Plan, failed.cleanup).status is PlanStatus.SUCCEEDED
+        assert session.scalar(select(func.count()).select_from(GPU).where(GPU.worker_id == 3)) == 0
+    assert _worker(cluster_engine, 3).activity is Activity.INACTIVE
+
+
+def test_a_step_handed_back_while_its_plan_applies_is_ready_again_with_its_attempt_returned(
+        cluster_engine: Engine, clock) -> None:
+    plan_id = propose(cluster_engine)
+    plan_store.apply(cluster_engine, plan_id)
+    held = _by_key(claim_ready(cluster_engine, clock()))["w3.start"]
+    with transaction(cluster_engine) as session:
+        row = session.execute(query("hand_back_step"), {"step_id": held["id"], "fence": held["fence"]}).one()
+    assert row.status == StepStatus.READY.value
+    again = _by_key(claim_ready(cluster_engine, clock()))["w3.start"]
+    assert again["fence"] > held["fence"] and again["attempts"] == held["attempts"]
+
+
 def test_a_claim_never_takes_a_step_of_a_plan_being_failed(cluster_engine: Engine, clock) -> None:
     plan_id = propose(cluster_engine)
     plan_store.apply(cluster_engine, plan_id)

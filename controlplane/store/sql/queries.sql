@@ -13,6 +13,7 @@ WITH clock AS (SELECT pearl_now() AS now),
 ready AS (
     SELECT s.id, row_number() OVER (PARTITION BY s.worker_id ORDER BY s.plan_id, s.id) AS nth
     FROM plan_steps s
+    JOIN plans p ON p.id = s.plan_id AND p.status = 'applying'  -- a step left ready elsewhere blocks nothing
     WHERE s.node_id = :node_id AND s.status = 'ready' AND s.action <> 'barrier'
       AND NOT EXISTS (SELECT 1 FROM plan_steps r WHERE r.worker_id = s.worker_id AND r.status = 'running')
 ), c AS (
@@ -70,12 +71,21 @@ RETURNING id, plan_id, status;
 
 -- name: hand_back_step
 -- An agent that stops (SIGTERM) gives back a step it holds, for another claim; the attempt is not
--- counted (every action is idempotent, so the next claim redoes what is missing).
-UPDATE plan_steps
-SET status = 'ready', claimed_by = NULL, lease_until = NULL, attempts = greatest(attempts - 1, 0),
+-- counted (every action is idempotent, so the next claim redoes what is missing). A step whose plan
+-- stopped applying meanwhile (failed, aborted) is cancelled instead, as a rescue would: nothing of
+-- that plan may run again, and its cleanup plan takes the worker over. The plan row is share-locked,
+-- so a plan failing at this moment is waited for and then seen.
+UPDATE plan_steps s
+SET status = CASE WHEN p.status = 'applying' THEN CAST('ready' AS step_status)
+                  ELSE CAST('cancelled' AS step_status) END,
+    claimed_by = NULL, lease_until = NULL, attempts = greatest(s.attempts - 1, 0),
+    finished_at = CASE WHEN p.status = 'applying' THEN NULL ELSE pearl_now() END,
     error = 'handed back by its agent'
-WHERE id = :step_id AND fence = :fence AND status = 'running'
-RETURNING id;
+            || CASE WHEN p.status = 'applying' THEN '' ELSE '; its plan is no longer applying' END
+FROM (SELECT p.id, p.status FROM plans p JOIN plan_steps t ON t.plan_id = p.id
+      WHERE t.id = :step_id FOR SHARE OF p) p
+WHERE s.id = :step_id AND s.fence = :fence AND s.status = 'running' AND p.id = s.plan_id
+RETURNING s.id, s.status;
 
 -- name: release_dependents
 -- A step succeeded: every step waiting for it has one unfinished dependency fewer. Touches only its
