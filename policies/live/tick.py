@@ -6,7 +6,9 @@ Safe at any rate and with several copies at once:
   its pass);
 - one pass per observed state: the pass first records a `ticks` row keyed by the fleet's
   state_version and a digest of the signals it will decide on; a second pass on the same state
-  finds the key taken and plans nothing;
+  finds the key taken and plans nothing, unless the pass that took it decided nothing (it was
+  killed, lost the database, or its plan could not be applied): then the key is taken over and the
+  state decided again;
 - the plan write itself refuses a fleet that moved or a policy memory another pass wrote meanwhile
   (`policy_pass.write_planned`: StalePlan), so two passes never plan on one state.
 
@@ -119,9 +121,7 @@ def _pass(engine: Engine, *, holder: str, manual: bool, event: str) -> TickResul
     with transaction(engine, isolation_level="REPEATABLE READ") as session:
         planned = policy_pass.decide(session, event=event)
     key = f"v{planned.snapshot.state_version}:{_digest(planned)}"
-    with transaction(engine, actor=holder) as session:
-        tick_id = session.scalar(insert(Tick).values(key=key, holder=holder).on_conflict_do_nothing()
-                                 .returning(Tick.id))
+    tick_id = _claim_tick(engine, key, holder)
     if tick_id is None:
         return TickResult(False, f"this state was decided already (tick {key})", key=key,
                           recheck_remaining=planned.target.recheck_remaining)
@@ -131,8 +131,11 @@ def _pass(engine: Engine, *, holder: str, manual: bool, event: str) -> TickResul
         _finish(engine, tick_id, error=str(exc))
         return TickResult(False, f"the fleet moved while deciding; the next pass decides again ({exc})",
                           tick_id, key)
+    except BaseException as exc:  # the next pass on this state decides again (a SIGKILL: see _claim_tick)
+        _finish_quietly(engine, tick_id, f"{type(exc).__name__}: {exc}")
+        raise
     decision = planned.as_dict()["decision"]
-    applied, note = False, f"no change: {planned.target.reason}"
+    applied, note, error = False, f"no change: {planned.target.reason}", None
     if planned.plan_id is not None:
         forced = urgent & (planned.plan.remove | set(planned.plan.reassign))
         note = f"plan {planned.plan_id} written"
@@ -146,9 +149,14 @@ def _pass(engine: Engine, *, holder: str, manual: bool, event: str) -> TickResul
                     f" (urgent: workers {sorted(forced)} must leave)" if forced else "")
             except PearlError as exc:  # stale by now: the next pass decides again
                 note = f"plan {planned.plan_id} not applied: {exc}"
+                error = note  # not a decided state: a pass on the same state decides again
+            except BaseException as exc:
+                _finish_quietly(engine, tick_id, f"{type(exc).__name__}: {exc}", planned.decision_id,
+                                planned.plan_id)
+                raise
         else:
             note += "; waiting for `pearlctl apply` (manual mode)"
-    _finish(engine, tick_id, decision_id=planned.decision_id, plan_id=planned.plan_id)
+    _finish(engine, tick_id, decision_id=planned.decision_id, plan_id=planned.plan_id, error=error)
     return TickResult(True, note, tick_id, key, decision, planned.plan_id, applied,
                       recheck_remaining=planned.target.recheck_remaining)
 
@@ -188,6 +196,30 @@ def _digest(planned: policy_pass.Planned) -> str:
     signals["unavailable"] = sorted(w.id for w in planned.snapshot.workers if not w.available)
     blob = json.dumps(signals, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def _claim_tick(engine: Engine, key: str, holder: str) -> int | None:
+    """Record this pass under `key`; None when the state was decided already. A pass that took the
+    key and never finished (killed, the database lost mid-pass) or finished with an error decided
+    nothing: its key is taken over, so the state is decided again. Two live passes never share it:
+    a pass runs only while it holds the leader lease."""
+    stmt = insert(Tick).values(key=key, holder=holder)
+    stmt = stmt.on_conflict_do_update(
+        index_elements=[Tick.key],
+        set_={"holder": holder, "started_at": func.now(), "finished_at": None, "decision_id": None,
+              "plan_id": None, "error": None},
+        where=Tick.finished_at.is_(None) | Tick.error.is_not(None))
+    with transaction(engine, actor=holder) as session:
+        return session.scalar(stmt.returning(Tick.id))
+
+
+def _finish_quietly(engine: Engine, tick_id: int, error: str, decision_id: int | None = None,
+                    plan_id: int | None = None) -> None:
+    """Mark a pass that is failing as such, if the database lets us (else the next pass takes the key)."""
+    try:
+        _finish(engine, tick_id, decision_id=decision_id, plan_id=plan_id, error=error[:500])
+    except Exception:  # the original error is what the caller raises
+        pass
 
 
 def _finish(engine: Engine, tick_id: int, *, decision_id: int | None = None, plan_id: int | None = None,

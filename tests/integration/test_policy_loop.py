@@ -84,6 +84,36 @@ def test_two_passes_at_once_never_plan_twice_for_one_state(cp: ControlPlane) -> 
     assert not again.ran and "decided already" in again.note
 
 
+@pytest.mark.parametrize("death", ["raised", "killed"])
+def test_a_pass_that_died_after_taking_its_key_does_not_stop_the_state_being_decided(
+        cp: ControlPlane, monkeypatch: pytest.MonkeyPatch, death: str) -> None:
+    """The key says "this state was decided"; a pass that took it and then died decided nothing, so the
+    next pass on the same state takes the key over and decides (else nothing is planned until a row
+    changes: borrowed GPUs the trainer waits for would never be given back)."""
+    from pearl.policies.live import policy_pass
+
+    def lost(*_a, **_k):
+        raise ConnectionError("the database went away while the plan was written")
+
+    with monkeypatch.context() as m:
+        m.setattr(policy_pass, "write_planned", lost)
+        with pytest.raises(ConnectionError):
+            tick(cp.engine)
+    with transaction(cp.engine) as session:
+        dead = session.scalars(select(Tick)).one()
+        assert dead.finished_at is not None and "ConnectionError" in dead.error
+        if death == "killed":  # SIGKILLed right after taking the key: the row never finished
+            session.execute(text("UPDATE ticks SET finished_at = NULL, error = NULL"))
+    assert count(cp.engine, Plan) == 0
+    retried = tick(cp.engine)  # the same state: decided, under the same key
+    assert retried.ran and retried.applied and retried.plan is not None, retried.note
+    assert retried.key == dead.key and retried.tick_id == dead.id
+    with transaction(cp.engine) as session:
+        row = session.get(Tick, dead.id)
+        assert row.finished_at is not None and row.error is None and row.plan_id == retried.plan
+    assert count(cp.engine, Plan) == 1
+
+
 def test_manual_mode_leaves_borrowing_to_apply_but_returns_for_training_apply_at_once(cp: ControlPlane) -> None:
     proposed = tick(cp.engine, manual=True)
     assert proposed.plan is not None and not proposed.applied and "manual mode" in proposed.note
