@@ -6,7 +6,8 @@
     load       `update_weights_from_disk` with the version (the server checks every tensor against the
                manifest and refuses a corrupt snapshot naming the tensor, keeping its old weights);
                or, when a broadcast group is set up, the tensors from the trainer's rank
-    continue   `continue_generation`, whatever the load did
+    continue   `continue_generation`, whatever the load did (if it fails after a good load, the
+               attempt fails: the next one finds the version and continues the server)
     verify     `/model_info` reports the version (and the manifest's checksum when the server gives it)
     record     the worker's `weights_version` by the fenced compare-and-set (`store.weights.finish_sync`)
 
@@ -79,6 +80,7 @@ def bring_to_version(api: Any, job: rows.SyncJob, load: Callable[[Any, rows.Sync
     if served_version(info) != job.version:
         _check_files(job)
         api.pause_generation("retract")
+        paused: DriverError | None = None
         try:
             if load is not None:
                 method = load(api, job)
@@ -94,6 +96,9 @@ def bring_to_version(api: Any, job: rows.SyncJob, load: Callable[[Any, rows.Sync
                 api.continue_generation()
             except DriverError as exc:
                 log.warning("worker %d: continue_generation after the load: %s", job.worker_id, exc)
+                paused = exc
+        if paused is not None:  # loaded but still paused: not done; the next attempt finds the version and resumes
+            raise DriverError(f"worker {job.worker_id}: generation not resumed after the load: {paused}")
         info = api.model_info()
     else:
         api.continue_generation()  # a killed attempt may have left it paused

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from agent_support import FakeDriver, FakeFrontDoor, FakeServers
+from agent_support import FakeClient, FakeDriver, FakeFrontDoor, FakeServers
 from pearl.agents.drivers.base import DriverError, ServerSpec
 from pearl.agents.steps import StepContext, Timeouts, admit
 from pearl.agents.weight_sync import run_sync
@@ -138,6 +138,31 @@ def test_a_newly_admitted_worker_serves_only_once_it_has_the_current_version(db_
     assert became == ["1"]
     assert run_sync(db_engine, 1, 1, client=servers.client).result == "skipped"  # again: nothing more
     assert [r["state"] for r in sync_rows(db_engine)] == ["done"]
+
+
+def test_a_server_left_paused_by_a_failed_resume_is_resumed_before_the_sync_is_done(db_engine: Engine, tmp_path: Path,
+                                                                                     no_broker: None) -> None:
+    """The load went through but `continue_generation` did not: the sync is not done until the server
+    serves again (else every request routed to it waits for ever)."""
+    servers = FakeServers()
+    driver = FakeDriver(servers, "node-a")
+    up_to_admit(db_engine, servers, driver)
+    cp = ControlPlane(engine=db_engine)
+    cp.training_begin(1, wait_s=0)
+    cp.training_end(1, weights_version=1, snapshot=str(snapshot(tmp_path / "v1", 1)))
+    lost = [True]
+
+    class ResumeLostOnce(FakeClient):
+        def continue_generation(self) -> None:
+            if lost and lost.pop():
+                self._s("continue:timed-out")
+                raise DriverError(f"{self.endpoint}: continue_generation timed out")
+            super().continue_generation()
+
+    outcome = run_sync(db_engine, 1, 1, client=lambda endpoint: ResumeLostOnce(servers, endpoint), retry_s=0.05)
+    assert outcome.result == "done" and outcome.attempts == 2
+    assert driver.by_worker[1].commands[-4:] == ["pause:retract", "load:1", "continue:timed-out", "continue"]
+    assert driver.by_worker[1].weight_version == 1 and [r["state"] for r in sync_rows(db_engine)] == ["done"]
 
 
 def test_status_shows_each_workers_weights_version_and_lag(db_engine: Engine, database_url: str, tmp_path: Path,
