@@ -14,7 +14,9 @@ to a server carries the claim's fencing token. A handler calls `ctx.check()` (or
                 stop the server; then its GPUs are free in the rows
   start         take the GPUs in the rows first, then resume a sleeping server (a prefill <-> decode
                 change flips it) or launch one, and wait until it answers
-  load_weights  bring the server to the trainer's latest weights (a snapshot from disk)
+  load_weights  bring the server to the trainer's latest weights (a snapshot from disk), under the
+                worker's sync lock (never beside a weight sync of the same server, never back to an
+                older version); a version published meanwhile is loaded in turn
   admit         once the worker has the trainer's current weights (a sync may bring a version that came
                 out after its load_weights; `Timeouts.weights_s`), register with the front door, then
                 active in the rows
@@ -250,22 +252,45 @@ def _weights(w: WorkerView) -> WeightsRef | None:
     return WeightsRef(w.trainer_version, w.snapshot) if w.trainer_version and w.snapshot else None
 
 
+LOAD_ROUNDS = 3  # a trainer publishing again while a load runs: the newer version is loaded, this often
+
+
 def load_weights(ctx: StepContext) -> None:
-    w = ctx.worker()
-    version = w.trainer_version
-    if version > w.weights_version:
-        server = ctx.driver.running(w.id)
-        if server is None:
-            raise DriverError(f"worker {w.id} has no server to load weights version {version} into")
-        if not w.snapshot:
-            raise DriverError(f"weights version {version} has no snapshot to load")
+    """Bring the starting worker to the trainer's version. Under the worker's sync lock, so a weight
+    sync of the same server (queued for it when the trainer published) never runs beside it; a server
+    already at that version or newer is not loaded again (never back to an older one); and a version
+    published while the load ran is loaded in turn, instead of failing the step and its plan."""
+    for round_ in range(LOAD_ROUNDS):
+        w = ctx.worker()
+        version = w.trainer_version
+        if version > w.weights_version:
+            _load(ctx, w, version)
+        try:
+            ctx.complete(weights_version=max(version, w.weights_version))
+            return
+        except step_effects.EffectMissing:
+            if round_ == LOAD_ROUNDS - 1:
+                raise
+            log.info("%s: the trainer published a newer version during the load; loading it",
+                     ctx.step["key"])
+
+
+def _load(ctx: StepContext, w: WorkerView, version: int) -> None:
+    server = ctx.driver.running(w.id)
+    if server is None:
+        raise DriverError(f"worker {w.id} has no server to load weights version {version} into")
+    if not w.snapshot:
+        raise DriverError(f"weights version {version} has no snapshot to load")
+    with weight_rows.sync_lock(ctx.engine, w.id, ctx.timeouts.weights_s) as held:
+        if not held:
+            raise DriverError(f"worker {w.id}: a weight sync held it for {ctx.timeouts.weights_s:g} s")
+        ctx.check()
         api = ctx.server_api(server)
-        if served_version(api.model_info()) != version:
+        if served_version(api.model_info()) < version:
             api.update_weights_from_disk(w.snapshot, version)
         loaded = served_version(api.model_info())
-        if loaded != version:
-            raise DriverError(f"worker {w.id} reports weights version {loaded} after loading {version}")
-    ctx.complete(weights_version=max(version, w.weights_version))
+    if loaded < version:
+        raise DriverError(f"worker {w.id} reports weights version {loaded} after loading {version}")
 
 
 def served_version(model_info: Mapping[str, Any]) -> int:

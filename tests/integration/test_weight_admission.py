@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from agent_support import FakeClient, FakeDriver, FakeFrontDoor, FakeServers
 from pearl.agents.drivers.base import DriverError, ServerSpec
-from pearl.agents.steps import StepContext, Timeouts, admit
+from pearl.agents.steps import StepContext, Timeouts, admit, load_weights
 from pearl.agents.weight_sync import run_sync
 from pearl.controlplane.api import ControlPlane
 from pearl.controlplane.core.domain import Role, StepStatus
@@ -39,14 +39,16 @@ def no_broker(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("PEARL_HOME", str(tmp_path / "home"))
 
 
-def up_to_admit(engine: Engine, servers: FakeServers, driver: FakeDriver) -> dict[str, Any]:
-    """Serve worker 1 by a plan, enacting every step as an agent would, up to its admit (claimed, not run)."""
-    import_cluster(engine, TWO_NODES)
+def up_to_admit(engine: Engine, servers: FakeServers, driver: FakeDriver, action: str = "admit",
+                imported: bool = False) -> dict[str, Any]:
+    """Serve worker 1 by a plan, enacting every step as an agent would, up to its `action` (claimed, not run)."""
+    if not imported:
+        import_cluster(engine, TWO_NODES)
     plan_id = propose(engine, Target(frozenset({1}), {Role.COLOCATED: 1}, reason="test"))
     plan_store.apply(engine, plan_id)
     for _ in range(20):
         for step in claim_ready(engine, datetime.now(UTC)):
-            if step["action"] == "admit":
+            if step["action"] == action:
                 with transaction(engine) as s:
                     endpoint = s.scalar(text("SELECT endpoint FROM workers WHERE id = 1"))
                 server = driver.launch(_spec())
@@ -54,7 +56,7 @@ def up_to_admit(engine: Engine, servers: FakeServers, driver: FakeDriver) -> dic
                 assert server.worker_id == 1
                 return step
             report(engine, step, StepStatus.SUCCEEDED, datetime.now(UTC))
-    raise AssertionError("no admit step")
+    raise AssertionError(f"no {action} step")
 
 
 def _spec():
@@ -163,6 +165,69 @@ def test_a_server_left_paused_by_a_failed_resume_is_resumed_before_the_sync_is_d
     assert outcome.result == "done" and outcome.attempts == 2
     assert driver.by_worker[1].commands[-4:] == ["pause:retract", "load:1", "continue:timed-out", "continue"]
     assert driver.by_worker[1].weight_version == 1 and [r["state"] for r in sync_rows(db_engine)] == ["done"]
+
+
+def test_a_version_published_during_a_starting_workers_load_is_loaded_in_turn(db_engine: Engine, tmp_path: Path,
+                                                                              no_broker: None) -> None:
+    """The trainer publishes v2 while the new worker loads v1: the step loads v2 too and succeeds (it
+    used to fail, failing the plan and its whole expansion group)."""
+    servers, front_door = FakeServers(), FakeFrontDoor()
+    driver = FakeDriver(servers, "node-a")
+    import_cluster(db_engine, TWO_NODES)
+    cp = ControlPlane(engine=db_engine)
+    cp.training_begin(1, wait_s=0)
+    cp.training_end(1, weights_version=1, snapshot=str(snapshot(tmp_path / "v1", 1)))
+    step = up_to_admit(db_engine, servers, driver, "load_weights", imported=True)
+    published: list[int] = []
+
+    class PublishesMidLoad(FakeClient):
+        def update_weights_from_disk(self, model_path: str, weight_version: int) -> None:
+            super().update_weights_from_disk(model_path, weight_version)
+            if not published:
+                published.append(2)
+                cp.training_begin(2, wait_s=0)
+                cp.training_end(2, weights_version=2, snapshot=str(snapshot(tmp_path / "v2", 2)))
+
+    ctx = StepContext(engine=db_engine, step=step, driver=driver,
+                      client=lambda endpoint, fence: PublishesMidLoad(servers, endpoint, fence),
+                      front_door=lambda: front_door, node_address="127.0.0.1", actor="test agent",
+                      timeouts=Timeouts(weights_s=5, poll_s=0.02))
+    load_weights(ctx)
+    assert [c for c in driver.by_worker[1].commands if c.startswith("load")] == ["load:1", "load:2"]
+    with transaction(db_engine) as s:
+        assert s.scalar(text("SELECT weights_version FROM workers WHERE id = 1")) == 2
+        assert s.scalar(text("SELECT status FROM plan_steps WHERE id = :id"), {"id": step["id"]}) == "succeeded"
+
+
+def test_a_starting_workers_load_waits_for_a_weight_sync_of_the_same_server(db_engine: Engine, tmp_path: Path,
+                                                                            no_broker: None) -> None:
+    servers, front_door = FakeServers(), FakeFrontDoor()
+    driver = FakeDriver(servers, "node-a")
+    import_cluster(db_engine, TWO_NODES)
+    cp = ControlPlane(engine=db_engine)
+    cp.training_begin(1, wait_s=0)
+    cp.training_end(1, weights_version=1, snapshot=str(snapshot(tmp_path / "v1", 1)))
+    step = up_to_admit(db_engine, servers, driver, "load_weights", imported=True)
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            load_weights(context(db_engine, step, servers, driver, front_door, weights_s=10))
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    with rows.sync_lock(db_engine, 1, timeout_s=1) as held:  # a sync of worker 1 is at work
+        assert held
+        thread = threading.Thread(target=run)
+        thread.start()
+        thread.join(0.5)
+        assert thread.is_alive() and driver.by_worker[1].commands == []  # not touched meanwhile
+        driver.by_worker[1].weight_version = 1  # what the sync did
+    thread.join(10)
+    assert not thread.is_alive() and not errors, errors
+    assert driver.by_worker[1].commands == []  # already at the version: not loaded again
+    with transaction(db_engine) as s:
+        assert s.scalar(text("SELECT weights_version FROM workers WHERE id = 1")) == 1
 
 
 def test_status_shows_each_workers_weights_version_and_lag(db_engine: Engine, database_url: str, tmp_path: Path,
