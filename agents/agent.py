@@ -245,6 +245,7 @@ class Agent:
             try:
                 if watch.check():
                     self._wake.set()
+                watch.stop_leftovers()
             except Exception as exc:  # the database may be away a while: look again next time
                 log.warning("watching the servers: %s", exc, extra={"action": "watch_failed"})
 

@@ -8,6 +8,14 @@ live process that is slow to answer, paused for a weights load say, is not eithe
 `crash_after_s` in a row, it is crashed: the rows take the worker out of service and free its GPUs
 (`store.crashes.mark_crashed`, a compare-and-set on the endpoint and generation seen), then the
 front door stops routing to it. The policy plans the capacity back.
+
+A process the driver runs counts as up whatever generation it was launched for: an overlap server
+woken for a new loan keeps its process (and its record) while the worker's generation moves on.
+
+Each pass also stops the servers left running under workers out of service (`store.crashes.
+out_of_service`): a revoked preemptible GPU whose notice ran out before its plan released it, a
+start that failed after its launch. Each is taken off the front door and stopped while its worker's
+row is locked, so a start arriving meanwhile waits and then launches a server of its own.
 """
 
 from __future__ import annotations
@@ -36,10 +44,30 @@ class ServerWatch:
         self.down_since: dict[crashes.Serving, float] = {}
 
     def down(self, seen: crashes.Serving) -> bool:
-        server = self.driver.running(seen.worker_id)
-        if server is not None and server.generation == seen.generation:
+        if self.driver.running(seen.worker_id) is not None:
             return False
         return not self.health(seen.endpoint)
+
+    def stop_leftovers(self) -> list[int]:
+        """Stop the servers whose workers are out of service (module docstring); the workers."""
+        servers = {s.worker_id: s for s in self.driver.servers()}
+        with transaction(self.engine) as session:
+            left = crashes.out_of_service(session, self.node, sorted(servers))
+        stopped = []
+        for wid in left:
+            server = servers[wid]
+            reason = f"worker {wid} is out of service but its server at {server.endpoint} still runs"
+            with transaction(self.engine, actor=f"agent {self.node}", reason=reason) as session:
+                if not crashes.hold_out_of_service(session, self.node, wid):
+                    continue
+                try:
+                    self.front_door().deregister(server.endpoint)
+                except Exception as exc:  # stopping it is what matters; a dead server leaves the router by itself
+                    log.warning("front door: could not deregister %s: %s", server.endpoint, exc)
+                self.driver.stop(wid)
+            log.warning("%s: stopped it", reason, extra={"action": "stop_leftover_server"})
+            stopped.append(wid)
+        return stopped
 
     def check(self) -> list[int]:
         """One pass: the workers it found crashed (and took out of service)."""

@@ -1,4 +1,5 @@
-"""Servers that died under an active worker: out of service in the rows, their GPUs free again.
+"""Servers that died under an active worker: out of service in the rows, their GPUs free again; and
+servers left running under a worker that is out of service.
 
 The node agent watches the servers of its node's active workers (`agents/server_watch.py`) and
 reports one it finds dead. `mark_crashed` writes it as one compare-and-set on what the agent saw
@@ -8,6 +9,13 @@ transitioning -> inactive, its endpoint cleared; an overlap slot back to role tr
 go through draining to free, all in one transaction that the audit log records with its reason. A
 borrowed training GPU's loan is closed there too: its server is gone, so is its memory. The fleet's
 state version moves, so the policy sees the capacity gone and plans it back into service.
+
+The other way round, a server can outlive its worker's service: a revocation whose notice ran out
+takes the worker out of service in the rows alone (`signals.enforce_deadlines`), and a start that
+failed after its launch leaves a process behind. `out_of_service` names the node's workers that are
+inactive, not an overlap slot (whose released server sleeps until its next loan) and not being
+stepped on; `hold_out_of_service` re-checks one under its row lock, which a start's first write
+waits for, so the agent stops the leftover server before any start can reuse or replace it.
 """
 
 from __future__ import annotations
@@ -65,3 +73,23 @@ def mark_crashed(session: Session, seen: Serving) -> bool:
     if worker.zone is WorkerZone.OVERLAP:
         signals.borrowed_worker_returned(session, worker.id, plan_id=None)
     return True
+
+
+def _out_of_service(node: str) -> object:
+    return (select(Worker.id).join(Node, Node.id == Worker.node_id)
+            .where(Node.name == node, Worker.activity == Activity.INACTIVE, Worker.zone != WorkerZone.OVERLAP,
+                   ~_step_running(Worker.id)))
+
+
+def out_of_service(session: Session, node: str, worker_ids: list[int]) -> list[int]:
+    """Of `worker_ids` (those the node's driver runs a server for), the workers out of service whose
+    server should not run (module docstring)."""
+    if not worker_ids:
+        return []
+    return list(session.scalars(_out_of_service(node).where(Worker.id.in_(worker_ids)).order_by(Worker.id)))
+
+
+def hold_out_of_service(session: Session, node: str, worker_id: int) -> bool:
+    """Lock the worker's row if it is still out of service (module docstring); False when it moved on."""
+    return session.scalars(_out_of_service(node).where(Worker.id == worker_id).with_for_update(of=Worker)).first() \
+        is not None

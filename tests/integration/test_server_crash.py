@@ -136,6 +136,59 @@ def test_the_rows_refuse_a_crash_that_does_not_match_what_was_seen(live: LiveFle
     assert worker(live.engine, 2)["activity"] == "active"
 
 
+def test_a_server_left_running_under_a_worker_out_of_service_is_stopped_and_taken_off_the_front_door(
+        live: LiveFleet) -> None:
+    """The rows took worker 2 out of service while its server still ran (as a revocation whose notice ran
+    out does): the agent stops that server and deregisters it, so its GPUs are not used after they left."""
+    door = RecordingFrontDoor()
+    live.start_agent("node-a", crash_after_s=60.0, front_door=lambda: door)
+    live.serve({1, 2})
+    seen = {s.worker_id: s for s in _serving(live)}
+    driver = live.drivers["node-a"]
+    left, kept = driver.running(2), driver.running(1)
+    assert left is not None and kept is not None
+    with transaction(live.engine) as s:  # out of service in the rows alone
+        assert crashes.mark_crashed(s, seen[2])
+    wait_for(lambda: driver.running(2) is None, 30, "the leftover server of worker 2 stopped")
+    assert door.deregistered == [left.endpoint]
+    assert not _alive(left.pid) and driver.running(1) == kept  # its neighbour untouched
+    live.serve({1, 2})  # a plan starts it again: a server of its own
+    assert worker(live.engine, 2)["activity"] == "active" and driver.running(2).pid != left.pid
+
+
+def test_a_worker_a_step_is_at_work_on_is_not_out_of_service_for_the_watch(live: LiveFleet) -> None:
+    live.start_agent("node-a", crash_after_s=60.0)
+    live.serve({1, 2})
+    seen = {s.worker_id: s for s in _serving(live)}
+    for agent, thread in live.agents:  # no agent enacts what follows
+        agent.stop()
+        thread.join(30)
+    live.agents.clear()
+    with transaction(live.engine) as s:
+        assert crashes.mark_crashed(s, seen[2])
+        assert crashes.out_of_service(s, "node-a", [1, 2]) == [2]
+    plan_id = propose(live.engine, Target(frozenset({1, 2}), {Role.COLOCATED: 2}, reason="test"))
+    plan_store.apply(live.engine, plan_id)
+    with transaction(live.engine) as s:
+        node_id, agent_id = s.execute(text("SELECT node_id, max(id) FROM agents GROUP BY node_id")).one()
+        claimed = s.execute(query("claim_steps"), {"node_id": node_id, "agent_id": agent_id, "lease_s": 60,
+                                                   "limit": 8}).mappings().all()
+    assert [(r["worker_id"], r["action"]) for r in claimed] == [(2, "start")]
+    with transaction(live.engine) as s:  # the start deals with the server it finds
+        assert crashes.out_of_service(s, "node-a", [1, 2]) == []
+        assert not crashes.hold_out_of_service(s, "node-a", 2)
+    live.drivers["node-a"].stop(2, grace_s=5.0)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie is gone too
+        return f.read().split(") ")[-1][0] != "Z"
+
+
 def _serving(live: LiveFleet) -> list[crashes.Serving]:
     deadline = time.monotonic() + 30
     while True:
