@@ -9,9 +9,10 @@ to a server carries the claim's fencing token. A handler calls `ctx.check()` (or
 
   drain         out of service in the rows, off the front door (new requests go elsewhere)
   interrupt     abort what still runs (`pause_generation` abort): the front door resubmits each
-                request's rest, with what it generated kept, to another worker
-  release       overlap: release the GPU memory (the server sleeps until the next loan); dedicated:
-                stop the server; then its GPUs are free in the rows
+                request's rest, with what it generated kept, to another worker; a server that does
+                not answer, or still runs requests `Timeouts.idle_s` after the abort, is stopped
+  release       overlap: release the GPU memory (the server sleeps until the next loan; one that
+                cannot is stopped); dedicated: stop the server; then its GPUs are free in the rows
   start         take the GPUs in the rows first, then resume a sleeping server (a prefill <-> decode
                 change flips it) or launch one, and wait until it answers
   load_weights  bring the server to the trainer's latest weights (a snapshot from disk), under the
@@ -200,14 +201,27 @@ def drain(ctx: StepContext) -> None:
 def interrupt(ctx: StepContext) -> None:
     w = ctx.worker()
     server = ctx.driver.running(w.id)
-    if server is not None:
-        api = ctx.server_api(server)
+    if server is not None and not _interrupted(ctx, ctx.server_api(server)):
+        # a hung server (no answer, or requests still running after the abort): stopping it ends them
+        # (the front door resubmits each), and its GPUs can still be given back
+        log.warning("%s: the server of worker %d did not stop its requests; stopping it", ctx.step["key"], w.id,
+                    extra={"action": "stop_hung_server"})
+        ctx.driver.stop(w.id)
+    ctx.complete()
+
+
+def _interrupted(ctx: StepContext, api: ServerAPI) -> bool:
+    """Abort what the server runs; False when it does not answer or still runs requests `idle_s` after."""
+    try:
         if not api.is_idle():
             api.pause_generation("abort")
             if not ctx.wait(_idle(api), ctx.timeouts.idle_s, "idle after interrupt"):
-                raise DriverError(f"worker {w.id}: requests still running {ctx.timeouts.idle_s:g} s after the abort")
+                return False
             api.continue_generation()
-    ctx.complete()
+        return True
+    except DriverError as exc:
+        log.warning("%s: %s", ctx.step["key"], exc)
+        return False
 
 
 def release(ctx: StepContext) -> None:
@@ -215,7 +229,12 @@ def release(ctx: StepContext) -> None:
     server = ctx.driver.running(w.id)
     if server is not None:
         if w.zone is WorkerZone.OVERLAP:
-            ctx.server_api(server).release_memory_occupation()  # sleeps until the next loan
+            try:
+                ctx.server_api(server).release_memory_occupation()  # sleeps until the next loan
+            except DriverError as exc:  # the memory must be given back: a server that cannot release it stops
+                log.warning("%s: %s; stopping the server instead", ctx.step["key"], exc,
+                            extra={"action": "stop_hung_server"})
+                ctx.driver.stop(w.id)
         else:
             ctx.driver.stop(w.id)
     ctx.complete()

@@ -28,6 +28,7 @@ class FakeServer:
     running: int = 0  # requests in flight
     fence: int = 0  # the newest fence seen
     aborted: int = 0  # requests aborted by pause_generation
+    hung: bool = False  # alive but answering nothing (a stuck collective, say)
     commands: list[str] = field(default_factory=list)
 
 
@@ -107,7 +108,7 @@ class FakeClient:
     def _s(self, command: str = "") -> FakeServer:
         fence = self.fence if command else None
         s = self.servers.by_endpoint.get(self.endpoint)
-        if s is None or not s.alive:
+        if s is None or not s.alive or s.hung:
             raise DriverError(f"{self.endpoint} does not answer")
         if fence is not None:
             if fence < s.fence:

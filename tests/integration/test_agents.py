@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import pytest
 from agent_support import FakeDriver, FakeFrontDoor, FakeServers
 from pearl.agents.agent import Agent, AgentConfig
+from pearl.agents.drivers.base import DriverError
 from pearl.agents.steps import Timeouts
 from pearl.controlplane.core.domain import Activity, GPUState, PlanStatus, Role
 from pearl.controlplane.core.fleet import Target
@@ -166,6 +167,68 @@ def test_an_aborted_plans_running_step_stops_and_its_cleanup_frees_the_gpus(flee
     with transaction(fleet.engine) as session:
         assert set(session.scalars(select(GPU.state))) == {GPUState.FREE}
     assert not any(s.alive for s in fleet.servers.by_endpoint.values())
+
+
+@pytest.mark.parametrize("hang", ["no-answer", "requests-never-end"])
+def test_a_hung_server_is_stopped_so_its_worker_still_gives_its_gpus_back(fleet: Fleet, hang: str) -> None:
+    fleet.start("node-a")
+    fleet.start("node-b")
+    assert apply_and_wait(fleet.engine, target(colocated=4))["status"] == "succeeded"
+    stuck = fleet.drivers["node-a"].by_worker[1]
+    stuck.running = 3
+    if hang == "no-answer":
+        stuck.hung = True
+    else:  # it answers, but an abort ends nothing
+        original = fleet.servers.client
+
+        def client(endpoint: str, fence: int | None = None):
+            c = original(endpoint, fence)
+            if endpoint == stuck.endpoint:
+                c.pause_generation = lambda mode="abort": stuck.commands.append(f"pause:{mode}")
+            return c
+
+        for agent, _ in fleet.agents:
+            agent.client = client
+    summary = apply_and_wait(fleet.engine, Target(frozenset({2, 3, 4}), {Role.COLOCATED: 3}, reason="test"))
+    assert summary["status"] == "succeeded", summary["error"]
+    assert not stuck.alive  # stopped: what it ran ends, the front door resubmits it
+    assert roles(fleet.engine)[1][0] is Activity.INACTIVE
+    with transaction(fleet.engine) as session:
+        assert set(session.scalars(select(GPU.state).where(GPU.slot_id == 1))) == {GPUState.FREE}
+
+
+def test_an_overlap_server_that_cannot_release_its_memory_is_stopped_and_the_loan_closes(db_engine: Engine) -> None:
+    from plan_support import small_inventory
+
+    import_cluster(db_engine, small_inventory())
+    fleet = Fleet(db_engine)
+    try:
+        for node in ("train-0", "roll-0"):
+            fleet.start(node)
+        borrowed = Target(frozenset({1, 3}), {Role.COLOCATED: 2}, reason="test")
+        assert apply_and_wait(db_engine, borrowed)["status"] == "succeeded"
+        stuck = fleet.drivers["train-0"].by_worker[1]
+        original = fleet.servers.client
+
+        def client(endpoint: str, fence: int | None = None):
+            c = original(endpoint, fence)
+            if endpoint == stuck.endpoint:
+                def refuse() -> None:
+                    raise DriverError(f"{endpoint}: 500 release_memory_occupation failed")
+                c.release_memory_occupation = refuse
+            return c
+
+        for agent, _ in fleet.agents:
+            agent.client = client
+        summary = apply_and_wait(db_engine, Target(frozenset({3}), {Role.COLOCATED: 1}, reason="test"))
+        assert summary["status"] == "succeeded", summary["error"]
+        assert not stuck.alive
+        with transaction(db_engine) as session:
+            assert set(session.scalars(select(GPU.state).where(GPU.slot_id == 1))) != {GPUState.BORROWED}
+            assert session.scalar(text(
+                "SELECT count(*) FROM leases WHERE returned_at IS NULL AND kind = 'borrowed'")) == 0
+    finally:
+        fleet.stop()
 
 
 def test_an_applied_plan_is_claimed_without_a_heartbeat_first(fleet: Fleet) -> None:
