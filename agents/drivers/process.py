@@ -28,6 +28,7 @@ from .base import DriverError, Server, ServerSpec
 # Servers this process launched, by pid: polled (so they never linger as zombies) and kept for the life of
 # the process, since a server is meant to outlive the driver object (and the agent) that launched it.
 LAUNCHED: dict[int, subprocess.Popen] = {}
+KILL_WAIT_S = 30.0  # a SIGKILLed server is gone within this, unless stuck in the kernel
 
 
 def free_port(host: str = "") -> int:
@@ -37,7 +38,22 @@ def free_port(host: str = "") -> int:
         return s.getsockname()[1]
 
 
-def _alive(pid: int, started: float | None, children: dict[int, subprocess.Popen] | None = None) -> bool:
+def start_ticks(pid: int) -> int | None:
+    """When the process started, in clock ticks since boot (/proc/<pid>/stat, field 22): unlike a
+    wall-clock start time (psutil's create_time adds the boot time, which moves when the clock is
+    stepped) it names the same process for as long as it lives. None where there is no /proc."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return int(fields[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _alive(pid: int, started: float | None, children: dict[int, subprocess.Popen] | None = None,
+           ticks: int | None = None) -> bool:
+    """Whether `pid` still runs as the process a record names: by its start in ticks since boot, or
+    else (records written without it) by its wall-clock start time."""
     proc = (children or {}).get(pid)
     if proc is not None:
         if proc.poll() is not None:  # launched here and exited: reaped
@@ -50,6 +66,8 @@ def _alive(pid: int, started: float | None, children: dict[int, subprocess.Popen
         proc = psutil.Process(pid)
         if proc.status() == psutil.STATUS_ZOMBIE:
             return False
+        if ticks is not None:
+            return start_ticks(pid) == ticks
         return started is None or abs(proc.create_time() - started) < 0.5
     except psutil.Error:
         return False
@@ -89,10 +107,13 @@ class ProcessDriver:
         raw = self._read(worker_id)
         if raw is None:
             return None
-        if not _alive(raw["server"]["pid"], raw.get("started"), self._children):
+        if not self._alive(raw):
             self._record(worker_id).unlink(missing_ok=True)
             return None
         return Server.from_dict(raw["server"])
+
+    def _alive(self, raw: dict) -> bool:
+        return _alive(raw["server"]["pid"], raw.get("started"), self._children, raw.get("start_ticks"))
 
     def servers(self) -> list[Server]:
         found = []
@@ -137,8 +158,8 @@ class ProcessDriver:
             started = None
         server = Server(spec.worker_id, proc.pid, f"http://{spec.host}:{port}", spec.role, spec.generation,
                         bootstrap, str(log_path))
-        record = {"server": server.to_dict(), "started": started, "argv": argv, "driver": self.name,
-                  "devices": list(spec.devices), "fence": spec.fence}
+        record = {"server": server.to_dict(), "started": started, "start_ticks": start_ticks(proc.pid),
+                  "argv": argv, "driver": self.name, "devices": list(spec.devices), "fence": spec.fence}
         tmp = self._record(spec.worker_id).with_suffix(".tmp")
         tmp.write_text(json.dumps(record, indent=1))
         os.replace(tmp, self._record(spec.worker_id))
@@ -167,17 +188,21 @@ class ProcessDriver:
         if raw is None:
             return False
         pid = raw["server"]["pid"]
-        ran = _alive(pid, raw.get("started"), self._children)
+        ran = self._alive(raw)
         if ran:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)
             deadline = time.monotonic() + grace_s
-            while _alive(pid, raw.get("started"), self._children) and time.monotonic() < deadline:
+            while self._alive(raw) and time.monotonic() < deadline:
                 time.sleep(0.02)
         if ran or raw.get("started") is None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pid, signal.SIGKILL)  # the leader if it ignored SIGTERM, and whatever it left
-            while _alive(pid, raw.get("started"), self._children):
+            deadline = time.monotonic() + KILL_WAIT_S
+            while self._alive(raw):
+                if time.monotonic() > deadline:  # stuck in the kernel (uninterruptible): keep its record
+                    raise DriverError(f"worker {worker_id}: server pid {pid} still there {KILL_WAIT_S:g} s "
+                                      "after SIGKILL")
                 time.sleep(0.01)
         self._record(worker_id).unlink(missing_ok=True)
         return ran

@@ -234,6 +234,27 @@ def test_sigterm_answers_in_flight_requests_and_exits_cleanly(driver):
     assert driver.running(11) is None and not driver.stop(11)
 
 
+def test_a_server_is_known_by_its_start_since_boot_not_by_the_wall_clock(driver):
+    """A wall clock stepped under a running server (NTP, a migrated VM) must not turn it into an
+    untracked orphan; a pid reused by another process is still not taken for the server."""
+    import json
+
+    server = driver.launch(spec(14, Role.COLOCATED))
+    record = driver.run_dir / "worker-14.json"
+    raw = json.loads(record.read_text())
+    assert raw["start_ticks"] is not None
+    raw["started"] -= 7.0  # what psutil's create_time reports once the clock stepped 7 s
+    record.write_text(json.dumps(raw))
+    assert driver.running(14) == server and [s.worker_id for s in driver.servers()] == [14]
+    raw["start_ticks"] -= 1  # the same pid, another process
+    record.write_text(json.dumps(raw))
+    try:
+        assert driver.running(14) is None
+    finally:
+        os.killpg(server.pid, signal.SIGKILL)
+        assert wait_gone([server.pid])
+
+
 def test_sigkill_leaves_nothing_and_a_new_driver_adopts_running_servers(driver, tmp_path):
     a = driver.launch(spec(12, Role.COLOCATED))
     b = driver.launch(spec(13, Role.PREFILL))
