@@ -2,15 +2,19 @@
 
 A launched server runs in its own session (process group), so it outlives the agent that started
 it; its record, `worker-<id>.json` in the node's run directory, holds the pid, the process start time
-(a reused pid is never mistaken for it), the endpoint, role, generation and log file, and is what
-the next agent on the node reads to adopt the server. Stop: SIGTERM to the pid, SIGKILL to its process
-group after the grace period (SGLang's scheduler and detokenizer processes included).
+(in ticks since boot: a reused pid is never mistaken for it), the endpoint, role, generation and log
+file, and is what the next agent on the node reads to adopt the server. Every server also carries
+its run directory and worker id in its environment (`PEARL_SERVER`), so one whose launcher died
+before writing its record is found and killed before the worker's next launch. Stop: SIGTERM to the
+pid, SIGKILL to its process group after the grace period (SGLang's scheduler and detokenizer
+processes included).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import signal
 import socket
@@ -25,10 +29,13 @@ from pearl.controlplane.core.domain import Role
 
 from .base import DriverError, Server, ServerSpec
 
+log = logging.getLogger("pearl.agent")
+
 # Servers this process launched, by pid: polled (so they never linger as zombies) and kept for the life of
 # the process, since a server is meant to outlive the driver object (and the agent) that launched it.
 LAUNCHED: dict[int, subprocess.Popen] = {}
 KILL_WAIT_S = 30.0  # a SIGKILLed server is gone within this, unless stuck in the kernel
+TAG = "PEARL_SERVER"  # in every server's environment: "<run dir>:<worker id>"
 
 
 def free_port(host: str = "") -> int:
@@ -144,12 +151,14 @@ class ProcessDriver:
             if current.generation == spec.generation:
                 return current
             self.stop(spec.worker_id)
+        self._stop_unrecorded(spec.worker_id)
         port = free_port()
         bootstrap = self.bootstrap_port(spec)
         argv, env = self.command(spec, port, bootstrap)
         log_path = self.run_dir / f"worker-{spec.worker_id}-g{spec.generation}.log"
+        env = {**os.environ, **self.env, **env, TAG: self._tag(spec.worker_id)}
         with log_path.open("ab") as log:
-            proc = subprocess.Popen(argv, env={**os.environ, **self.env, **env}, stdin=subprocess.DEVNULL,
+            proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL,
                                     stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=self.run_dir)
         self._children[proc.pid] = proc
         try:
@@ -164,6 +173,27 @@ class ProcessDriver:
         tmp.write_text(json.dumps(record, indent=1))
         os.replace(tmp, self._record(spec.worker_id))
         return server
+
+    def _tag(self, worker_id: int) -> str:
+        return f"{self.run_dir.resolve()}:{worker_id}"
+
+    def _stop_unrecorded(self, worker_id: int) -> list[int]:
+        """Kill a server of this worker that runs without a record: its launcher was killed between
+        starting it and writing the record. Found by the tag every launch puts in the environment
+        (its working directory is the run dir); the pids it killed."""
+        tag, here = self._tag(worker_id), str(self.run_dir.resolve())
+        killed = []
+        for proc in psutil.process_iter(["pid", "cwd"]):
+            try:
+                if proc.info["cwd"] != here or proc.environ().get(TAG) != tag:
+                    continue
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(KILL_WAIT_S)
+            except (psutil.Error, ProcessLookupError, PermissionError):
+                continue
+            log.warning("worker %d: killed server pid %d, which ran without a record", worker_id, proc.pid)
+            killed.append(proc.pid)
+        return killed
 
     def wait_ready(self, server: Server, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

@@ -255,6 +255,18 @@ def test_a_server_is_known_by_its_start_since_boot_not_by_the_wall_clock(driver)
         assert wait_gone([server.pid])
 
 
+def test_a_server_whose_launcher_died_before_recording_it_is_killed_before_the_next_launch(driver):
+    """SIGKILL between the launch and its record: the server runs untracked on the worker's GPUs; the
+    worker's next launch finds it by its tag and kills it instead of starting a second one beside it."""
+    first = driver.launch(spec(15, Role.COLOCATED))
+    (driver.run_dir / "worker-15.json").unlink()  # the record never written
+    assert driver.running(15) is None and psutil.pid_exists(first.pid)
+    again = driver.launch(spec(15, Role.COLOCATED))
+    assert wait_gone([first.pid]) and again.pid != first.pid
+    driver.wait_ready(again, 60)
+    assert driver.stop(15, grace_s=5)
+
+
 def test_sigkill_leaves_nothing_and_a_new_driver_adopts_running_servers(driver, tmp_path):
     a = driver.launch(spec(12, Role.COLOCATED))
     b = driver.launch(spec(13, Role.PREFILL))
