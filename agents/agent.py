@@ -113,6 +113,9 @@ class Agent:
                     self._claim()
                 except DatabaseUnavailable as exc:  # keep trying: the steps in hand keep their leases for a while
                     log.warning("database unavailable: %s", exc, extra={"action": "database_unavailable"})
+                except Exception as exc:  # a deadlock, a refused change: the rows are the truth, look again
+                    log.exception("agent loop: %s", exc, extra={"action": "loop_error"})
+                    self._stop.wait(1.0)
                 self._wake.wait(min(c.poll_s, max(0.0, next_beat - time.monotonic())))
                 self._wake.clear()
         finally:
@@ -211,7 +214,7 @@ class Agent:
                 stopped = row is not None and row.status != StepStatus.READY.value
                 log.info("%s handed back%s", ctx.step["key"], " (its plan stopped: cancelled)" if stopped else "",
                          extra={"action": "hand_back_step"})
-            except PearlError as exc:
+            except Exception as exc:  # the lease runs out and the reaper takes the step back
                 log.warning("%s: could not hand back: %s", ctx.step["key"], exc)
 
     def _report(self, ctx: StepContext, status: StepStatus, error: str) -> None:
@@ -222,7 +225,7 @@ class Agent:
             pass
         except ClaimLost as exc:
             log.warning("%s: %s", ctx.step["key"], exc, extra={"action": "claim_lost"})
-        except PearlError as exc:  # the lease runs out and the reaper takes the step back
+        except Exception as exc:  # the lease runs out and the reaper takes the step back
             log.warning("%s: could not report %s: %s", ctx.step["key"], status, exc)
 
     # -- the servers between steps --------------------------------------------------------------

@@ -231,6 +231,25 @@ def test_an_overlap_server_that_cannot_release_its_memory_is_stopped_and_the_loa
         fleet.stop()
 
 
+def test_an_agent_outlives_an_error_that_is_not_the_database_being_away(fleet: Fleet,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    from pearl.controlplane.store import reaper
+
+    real, failures = reaper.reap, []
+
+    def reap_failing_once(*args, **kwargs):
+        if not failures:
+            failures.append(1)
+            raise RuntimeError("deadlock detected")  # what an unmapped database error looks like to the loop
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(reaper, "reap", reap_failing_once)
+    fleet.start("node-a")
+    fleet.start("node-b")
+    assert apply_and_wait(fleet.engine, target(colocated=4))["status"] == "succeeded"
+    assert failures and all(thread.is_alive() for _, thread in fleet.agents)
+
+
 def test_an_applied_plan_is_claimed_without_a_heartbeat_first(fleet: Fleet) -> None:
     """Only a failed plan needs the steps in hand renewed at once; an applied or finished plan wakes the
     agent to claim, not to heartbeat (a commit that would delay every first claim)."""
