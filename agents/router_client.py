@@ -7,6 +7,7 @@ failures raise `DriverError` with the front door's message.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import httpx
@@ -50,3 +51,24 @@ class FrontDoorClient(HTTPClient):
 
     def state(self) -> dict[str, Any]:
         return self._call("GET", "/pearl/state")
+
+
+def front_door_for(engine: Any, wait_s: float = 30.0, poll_s: float = 0.5) -> Any:
+    """The client of the fleet's live front door. A fleet that never had one gets `NoFrontDoor`
+    (clients reach the servers some other way); one whose front door is stopped (restarting) is
+    waited for up to `wait_s`, then a `DriverError`: a worker admitted or drained around a stopped
+    front door would be missing from, or left in, its routers once it is back."""
+    from pearl.controlplane.store.routers import front_door_registered, front_door_url
+
+    from .steps import NoFrontDoor
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        url = front_door_url(engine)
+        if url:
+            return FrontDoorClient(url)
+        if not front_door_registered(engine):
+            return NoFrontDoor()
+        if time.monotonic() >= deadline:
+            raise DriverError(f"the front door is stopped (restarting?) and did not come back within {wait_s:g} s")
+        time.sleep(poll_s)

@@ -72,12 +72,9 @@ def _client(endpoint: str, fence: int) -> Any:
 
 
 def _front_door(engine: Any) -> Any:
-    from pearl.agents.router_client import FrontDoorClient
-    from pearl.agents.steps import NoFrontDoor
-    from pearl.controlplane.store.routers import front_door_url
+    from pearl.agents.router_client import front_door_for
 
-    url = front_door_url(engine)
-    return FrontDoorClient(url) if url else NoFrontDoor()
+    return front_door_for(engine)
 
 
 def _time_scale(engine: Any) -> float:

@@ -27,6 +27,13 @@ def router_stopped(engine: Engine, *, pid: int, name: str = DEFAULT) -> None:
                         .values(stopped_at=func.pearl_now()))
 
 
+def front_door_registered(engine: Engine, name: str = DEFAULT) -> bool:
+    """Whether the fleet has a front door at all, running or not (a stopped one is restarting, or gone
+    on purpose: either way workers are not to be admitted around it)."""
+    with transaction(engine) as session:
+        return session.scalar(select(func.count()).select_from(Router).where(Router.name == name)) > 0
+
+
 def front_door_url(engine: Engine, name: str = DEFAULT) -> str | None:
     """The admin URL of the live front door (None: the fleet has none)."""
     with transaction(engine) as session:
