@@ -76,11 +76,13 @@ def _register_when_listening(engine: object, cfg: object, timeout_s: float = 120
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            if httpx.get(url + "/pearl/state", timeout=2.0).status_code == 200:
+            resp = httpx.get(url + "/pearl/state", timeout=2.0)
+            if resp.status_code == 200:  # the mode it serves: a restart restores it from its run dir
+                mode = resp.json().get("mode") or cfg.mode  # type: ignore[attr-defined]
                 register_router(engine, url=url, admin_url=url, host=cfg.host,  # type: ignore[arg-type,attr-defined]
-                                pid=os.getpid(), mode=cfg.mode)  # type: ignore[attr-defined]
+                                pid=os.getpid(), mode=mode)
                 return
-        except httpx.HTTPError:
+        except (httpx.HTTPError, ValueError):
             pass
         time.sleep(0.1)
 

@@ -184,3 +184,38 @@ def test_a_restarted_front_door_registers_its_workers_again_and_sigkill_leaves_n
         children = again.children()
         again.stop()
         assert again.proc.returncode == 0 and wait_gone(children)
+
+
+def test_a_restarted_front_door_records_the_mode_it_restored_not_its_command_line(tmp_path, database_url):
+    from pearl.controlplane.store.db import make_engine, transaction
+    from sqlalchemy import text
+
+    engine = make_engine(database_url)
+    env = {"PEARL_DATABASE_URL": database_url}
+
+    def recorded() -> tuple[str | None, object]:
+        with transaction(engine) as s:
+            row = s.execute(text("SELECT mode, stopped_at FROM routers")).first()
+            return (row.mode, row.stopped_at) if row is not None else (None, "no row yet")
+
+    try:
+        first = start_front_door(tmp_path / "fd", env=env)
+        _wait(lambda: recorded()[0] == "colocated")
+        first.client.set_mode("split")  # what a router_sync step does
+        first.stop()
+        assert first.proc.returncode == 0 and recorded()[1] is not None
+        again = start_front_door(tmp_path / "fd", port=None, env=env)  # the same run dir, --mode colocated
+        try:
+            _wait(lambda: recorded()[1] is None)
+            assert again.client.state()["mode"] == "split" and recorded()[0] == "split"
+        finally:
+            again.stop()
+    finally:
+        engine.dispose()
+
+
+def _wait(check, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "not within the time"
+        time.sleep(0.05)
