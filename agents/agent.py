@@ -42,6 +42,7 @@ from pearl.controlplane.store import agent_registry, plan_store, reaper, step_ef
 from pearl.controlplane.store.db import transaction
 from pearl.controlplane.store.notifications import listen
 from pearl.controlplane.store.queries import query
+from pearl.controlplane.store.transitions import lock_fleet
 
 log = logging.getLogger("pearl.agent")
 
@@ -210,6 +211,7 @@ class Agent:
         elif reason == "shutdown":
             try:
                 with transaction(self.engine, actor=f"agent {self.config.node}") as session:
+                    lock_fleet(session)  # the order every writer takes (the reaper: fleet, step, plan)
                     row = session.execute(query("hand_back_step"), {"step_id": ctx.id, "fence": ctx.fence}).first()
                 stopped = row is not None and row.status != StepStatus.READY.value
                 log.info("%s handed back%s", ctx.step["key"], " (its plan stopped: cancelled)" if stopped else "",

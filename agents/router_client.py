@@ -53,22 +53,52 @@ class FrontDoorClient(HTTPClient):
         return self._call("GET", "/pearl/state")
 
 
-def front_door_for(engine: Any, wait_s: float = 30.0, poll_s: float = 0.5) -> Any:
-    """The client of the fleet's live front door. A fleet that never had one gets `NoFrontDoor`
-    (clients reach the servers some other way); one whose front door is stopped (restarting) is
-    waited for up to `wait_s`, then a `DriverError`: a worker admitted or drained around a stopped
-    front door would be missing from, or left in, its routers once it is back."""
-    from pearl.controlplane.store.routers import front_door_registered, front_door_url
+class FleetFrontDoor:
+    """The fleet's front door as an agent uses it, found by its `routers` row at every call.
 
-    from .steps import NoFrontDoor
+    A fleet that never registered one has none: every call does nothing (clients reach the servers
+    some other way). A registered one that is stopped is restarting, or gone on purpose:
+    - `register` and `set_mode` wait up to `wait_s` for it, then raise `DriverError`: a worker
+      admitted around it would be missing from its routers once it is back;
+    - `deregister` does not wait: the worker leaves service either way, and a restarted front door
+      takes back only the servers that still answer `/health` (a stopped or sleeping one does not).
+    """
 
-    deadline = time.monotonic() + wait_s
-    while True:
-        url = front_door_url(engine)
-        if url:
-            return FrontDoorClient(url)
-        if not front_door_registered(engine):
-            return NoFrontDoor()
-        if time.monotonic() >= deadline:
-            raise DriverError(f"the front door is stopped (restarting?) and did not come back within {wait_s:g} s")
-        time.sleep(poll_s)
+    def __init__(self, engine: Any, wait_s: float = 30.0, poll_s: float = 0.5) -> None:
+        self.engine, self.wait_s, self.poll_s = engine, wait_s, poll_s
+
+    def live(self, wait: bool) -> FrontDoorClient | None:
+        """A client of the live front door; None when the fleet has none, or (not waiting) it is stopped."""
+        from pearl.controlplane.store.routers import front_door_registered, front_door_url
+
+        deadline = time.monotonic() + (self.wait_s if wait else 0.0)
+        while True:
+            url = front_door_url(self.engine)
+            if url:
+                return FrontDoorClient(url)
+            if not front_door_registered(self.engine):
+                return None
+            if time.monotonic() >= deadline:
+                if wait:
+                    raise DriverError(f"the front door is stopped (restarting?) and did not come back within "
+                                      f"{self.wait_s:g} s")
+                return None
+            time.sleep(self.poll_s)
+
+    def _call(self, wait: bool, method: str, *args: Any) -> Any:
+        client = self.live(wait)
+        if client is None:
+            return None
+        try:
+            return getattr(client, method)(*args)
+        finally:
+            client.close()
+
+    def register(self, url: str, role: Role | str, bootstrap_port: int | None = None) -> Any:
+        return self._call(True, "register", url, role, bootstrap_port)
+
+    def set_mode(self, mode: str) -> Any:
+        return self._call(True, "set_mode", mode)
+
+    def deregister(self, url: str) -> Any:
+        return self._call(False, "deregister", url)

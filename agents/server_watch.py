@@ -14,8 +14,9 @@ woken for a new loan keeps its process (and its record) while the worker's gener
 
 Each pass also stops the servers left running under workers out of service (`store.crashes.
 out_of_service`): a revoked preemptible GPU whose notice ran out before its plan released it, a
-start that failed after its launch. Each is taken off the front door and stopped while its worker's
-row is locked, so a start arriving meanwhile waits and then launches a server of its own.
+start that failed after its launch. Each is taken off the front door, then stopped only while it is
+still the process seen: a start arriving meanwhile replaces it (its generation moved on) and its new
+server is never touched. No database lock is held across the stop.
 """
 
 from __future__ import annotations
@@ -56,17 +57,14 @@ class ServerWatch:
         stopped = []
         for wid in left:
             server = servers[wid]
-            reason = f"worker {wid} is out of service but its server at {server.endpoint} still runs"
-            with transaction(self.engine, actor=f"agent {self.node}", reason=reason) as session:
-                if not crashes.hold_out_of_service(session, self.node, wid):
-                    continue
-                try:
-                    self.front_door().deregister(server.endpoint)
-                except Exception as exc:  # stopping it is what matters; a dead server leaves the router by itself
-                    log.warning("front door: could not deregister %s: %s", server.endpoint, exc)
-                self.driver.stop(wid)
-            log.warning("%s: stopped it", reason, extra={"action": "stop_leftover_server"})
-            stopped.append(wid)
+            try:
+                self.front_door().deregister(server.endpoint)
+            except Exception as exc:  # stopping it is what matters; a dead server leaves the router by itself
+                log.warning("front door: could not deregister %s: %s", server.endpoint, exc)
+            if self.driver.stop(wid, pid=server.pid):  # that process only: a start may have replaced it
+                log.warning("worker %d is out of service but its server at %s still ran: stopped it", wid,
+                            server.endpoint, extra={"action": "stop_leftover_server"})
+                stopped.append(wid)
         return stopped
 
     def check(self) -> list[int]:

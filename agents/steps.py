@@ -204,39 +204,85 @@ def interrupt(ctx: StepContext) -> None:
     if server is not None and not _interrupted(ctx, ctx.server_api(server)):
         # a hung server (no answer, or requests still running after the abort): stopping it ends them
         # (the front door resubmits each), and its GPUs can still be given back
+        ctx.check()  # a step that stopped (its plan, its claim) stops nothing
         log.warning("%s: the server of worker %d did not stop its requests; stopping it", ctx.step["key"], w.id,
                     extra={"action": "stop_hung_server"})
-        ctx.driver.stop(w.id)
+        ctx.driver.stop(w.id, pid=server.pid)
     ctx.complete()
 
 
+def _fenced_out(exc: DriverError) -> bool:
+    """The server refused the command's fencing token: a newer claim commands it now."""
+    return ": 409" in str(exc)
+
+
 def _interrupted(ctx: StepContext, api: ServerAPI) -> bool:
-    """Abort what the server runs; False when it does not answer or still runs requests `idle_s` after."""
-    try:
-        if not api.is_idle():
-            api.pause_generation("abort")
-            if not ctx.wait(_idle(api), ctx.timeouts.idle_s, "idle after interrupt"):
-                return False
-            api.continue_generation()
+    """Abort what the server runs. False when it gives no answer for `Timeouts.idle_s`, or still runs
+    requests that long after the abort; a newer claim's fence refusing this one raises."""
+    seen: dict[str, Any] = {}
+
+    def answered() -> bool:
+        try:
+            seen["idle"] = api.is_idle()
+            return True
+        except DriverError as exc:
+            seen["error"] = exc
+            ctx.cancel.wait(0.5)
+            return False
+
+    if not ctx.wait(answered, ctx.timeouts.idle_s, "an answer"):
+        log.warning("%s: %s", ctx.step["key"], seen.get("error"))
+        return False
+    if seen["idle"]:
         return True
+    try:
+        api.pause_generation("abort")
     except DriverError as exc:
+        if _fenced_out(exc):
+            raise
         log.warning("%s: %s", ctx.step["key"], exc)
         return False
+    if not ctx.wait(_idle(api), ctx.timeouts.idle_s, "idle after interrupt"):
+        return False
+    try:
+        api.continue_generation()
+    except DriverError as exc:  # idle already; the release that follows does not need it serving
+        log.warning("%s: continue_generation after the abort: %s", ctx.step["key"], exc)
+    return True
+
+
+def _released(ctx: StepContext, api: ServerAPI) -> bool:
+    """Release the server's GPU memory, trying again until `Timeouts.idle_s` has passed."""
+    errors: list[DriverError] = []
+
+    def done() -> bool:
+        try:
+            api.release_memory_occupation()
+            return True
+        except DriverError as exc:
+            if _fenced_out(exc):
+                raise
+            errors.append(exc)
+            ctx.cancel.wait(1.0)
+            return False
+
+    if ctx.wait(done, ctx.timeouts.idle_s, "memory released"):
+        return True
+    log.warning("%s: %s", ctx.step["key"], errors[-1] if errors else "no answer")
+    return False
 
 
 def release(ctx: StepContext) -> None:
     w = ctx.begin()
     server = ctx.driver.running(w.id)
     if server is not None:
-        if w.zone is WorkerZone.OVERLAP:
-            try:
-                ctx.server_api(server).release_memory_occupation()  # sleeps until the next loan
-            except DriverError as exc:  # the memory must be given back: a server that cannot release it stops
-                log.warning("%s: %s; stopping the server instead", ctx.step["key"], exc,
-                            extra={"action": "stop_hung_server"})
-                ctx.driver.stop(w.id)
-        else:
+        if w.zone is not WorkerZone.OVERLAP:
             ctx.driver.stop(w.id)
+        elif not _released(ctx, ctx.server_api(server)):  # asleep until the next loan, or else stopped:
+            ctx.check()  # the memory must be given back
+            log.warning("%s: the server of worker %d cannot release its memory; stopping it", ctx.step["key"],
+                        w.id, extra={"action": "stop_hung_server"})
+            ctx.driver.stop(w.id, pid=server.pid)
     ctx.complete()
 
 

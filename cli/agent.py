@@ -72,9 +72,9 @@ def _client(endpoint: str, fence: int) -> Any:
 
 
 def _front_door(engine: Any) -> Any:
-    from pearl.agents.router_client import front_door_for
+    from pearl.agents.router_client import FleetFrontDoor
 
-    return front_door_for(engine)
+    return FleetFrontDoor(engine)
 
 
 def _time_scale(engine: Any) -> float:

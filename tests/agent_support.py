@@ -85,9 +85,9 @@ class FakeDriver:
         if not self.by_worker[server.worker_id].alive:
             raise DriverError(f"worker {server.worker_id}: the server exited")
 
-    def stop(self, worker_id: int, grace_s: float = 10.0) -> bool:
+    def stop(self, worker_id: int, grace_s: float = 10.0, pid: int | None = None) -> bool:
         s = self.by_worker.get(worker_id)
-        if s is None or not s.alive:
+        if s is None or not s.alive or (pid is not None and pid != 1):
             return False
         s.alive = False
         return True

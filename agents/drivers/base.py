@@ -106,8 +106,9 @@ class Driver(Protocol):
         when the process exits or the timeout passes."""
         ...
 
-    def stop(self, worker_id: int, grace_s: float = 10.0) -> bool:
-        """SIGTERM, then SIGKILL after `grace_s`, by PID (never by name); idempotent. True if one ran."""
+    def stop(self, worker_id: int, grace_s: float = 10.0, pid: int | None = None) -> bool:
+        """SIGTERM, then SIGKILL after `grace_s`, by PID (never by name); idempotent. True if one ran.
+        With `pid`, only while the worker's server is still that process (another may have replaced it)."""
         ...
 
     def record_role(self, worker_id: int, role: Role) -> None:

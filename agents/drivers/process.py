@@ -182,18 +182,23 @@ class ProcessDriver:
         starting it and writing the record. Found by the tag every launch puts in the environment
         (its working directory is the run dir); the pids it killed."""
         tag, here = self._tag(worker_id), str(self.run_dir.resolve())
-        killed = []
+        found = []
         for proc in psutil.process_iter(["pid", "cwd"]):
-            try:
-                if proc.info["cwd"] != here or proc.environ().get(TAG) != tag:
-                    continue
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(KILL_WAIT_S)
-            except (psutil.Error, ProcessLookupError, PermissionError):
-                continue
-            log.warning("worker %d: killed server pid %d, which ran without a record", worker_id, proc.pid)
-            killed.append(proc.pid)
-        return killed
+            with contextlib.suppress(psutil.Error):
+                if proc.info["cwd"] == here and proc.environ().get(TAG) == tag:
+                    found.append(proc)
+        for proc in found:  # the server and its own children (SGLang's scheduler, detokenizer) alike
+            with contextlib.suppress(psutil.Error, ProcessLookupError, PermissionError):
+                if os.getpgid(proc.pid) == proc.pid:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.kill()
+        _, stuck = psutil.wait_procs(found, timeout=KILL_WAIT_S)
+        if stuck:
+            raise DriverError(f"worker {worker_id}: pids {[p.pid for p in stuck]} of a server without a record "
+                              f"still there {KILL_WAIT_S:g} s after SIGKILL")
+        for proc in found:
+            log.warning("worker %d: killed pid %d, which ran without a record", worker_id, proc.pid)
+        return [p.pid for p in found]
 
     def wait_ready(self, server: Server, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -213,9 +218,9 @@ class ProcessDriver:
                                       f"{server.log_path}:\n{self.log_tail(server.worker_id, path=server.log_path)}")
                 time.sleep(0.05)
 
-    def stop(self, worker_id: int, grace_s: float = 10.0) -> bool:
+    def stop(self, worker_id: int, grace_s: float = 10.0, pid: int | None = None) -> bool:
         raw = self._read(worker_id)
-        if raw is None:
+        if raw is None or (pid is not None and raw["server"]["pid"] != pid):
             return False
         pid = raw["server"]["pid"]
         ran = self._alive(raw)
@@ -234,7 +239,9 @@ class ProcessDriver:
                     raise DriverError(f"worker {worker_id}: server pid {pid} still there {KILL_WAIT_S:g} s "
                                       "after SIGKILL")
                 time.sleep(0.01)
-        self._record(worker_id).unlink(missing_ok=True)
+        current = self._read(worker_id)
+        if current is not None and current["server"]["pid"] == pid:  # not a record a new launch wrote meanwhile
+            self._record(worker_id).unlink(missing_ok=True)
         return ran
 
     def log_tail(self, worker_id: int, lines: int = 20, path: str | None = None) -> str:

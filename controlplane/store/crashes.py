@@ -14,8 +14,7 @@ The other way round, a server can outlive its worker's service: a revocation who
 takes the worker out of service in the rows alone (`signals.enforce_deadlines`), and a start that
 failed after its launch leaves a process behind. `out_of_service` names the node's workers that are
 inactive, not an overlap slot (whose released server sleeps until its next loan) and not being
-stepped on; `hold_out_of_service` re-checks one under its row lock, which a start's first write
-waits for, so the agent stops the leftover server before any start can reuse or replace it.
+stepped on; the agent stops their servers.
 """
 
 from __future__ import annotations
@@ -87,9 +86,3 @@ def out_of_service(session: Session, node: str, worker_ids: list[int]) -> list[i
     if not worker_ids:
         return []
     return list(session.scalars(_out_of_service(node).where(Worker.id.in_(worker_ids)).order_by(Worker.id)))
-
-
-def hold_out_of_service(session: Session, node: str, worker_id: int) -> bool:
-    """Lock the worker's row if it is still out of service (module docstring); False when it moved on."""
-    return session.scalars(_out_of_service(node).where(Worker.id == worker_id).with_for_update(of=Worker)).first() \
-        is not None

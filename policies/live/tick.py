@@ -6,9 +6,9 @@ Safe at any rate and with several copies at once:
   its pass);
 - one pass per observed state: the pass first records a `ticks` row keyed by the fleet's
   state_version and a digest of the signals it will decide on; a second pass on the same state
-  finds the key taken and plans nothing, unless the pass that took it decided nothing (it was
-  killed, lost the database, or its plan could not be applied): then the key is taken over and the
-  state decided again;
+  finds the key taken and plans nothing, unless the pass that took it decided nothing (it failed,
+  its plan could not be applied, or it never finished within a leader lease: killed, the database
+  lost): then the key is taken over and the state decided again;
 - the plan write itself refuses a fleet that moved or a policy memory another pass wrote meanwhile
   (`policy_pass.write_planned`: StalePlan), so two passes never plan on one state.
 
@@ -80,7 +80,7 @@ def tick(engine: Engine, *, holder: str | None = None, manual: bool = False, lea
         return TickResult(False, f"another process leads the policy loop ({_leader(engine)}); nothing to do",
                           leading=False)
     try:
-        return _pass(engine, holder=holder, manual=manual, event=event)
+        return _pass(engine, holder=holder, manual=manual, event=event, lease_s=lease_s)
     finally:
         if not keep_lease:
             agent_registry.release_leader_lease(engine, LEADER, holder)
@@ -91,7 +91,7 @@ def _leader(engine: Engine) -> str:
         return agent_registry.leader(session, LEADER) or "nobody"
 
 
-def _pass(engine: Engine, *, holder: str, manual: bool, event: str) -> TickResult:
+def _pass(engine: Engine, *, holder: str, manual: bool, event: str, lease_s: float) -> TickResult:
     with transaction(engine) as session:  # when this pass saw the state it acts on (the database's clock)
         seen_at = session.scalar(select(func.pearl_now()))
     reaper.reap(engine, actor=f"reaper in {holder}")
@@ -121,7 +121,7 @@ def _pass(engine: Engine, *, holder: str, manual: bool, event: str) -> TickResul
     with transaction(engine, isolation_level="REPEATABLE READ") as session:
         planned = policy_pass.decide(session, event=event)
     key = f"v{planned.snapshot.state_version}:{_digest(planned)}"
-    tick_id = _claim_tick(engine, key, holder)
+    tick_id = _claim_tick(engine, key, holder, lease_s)
     if tick_id is None:
         return TickResult(False, f"this state was decided already (tick {key})", key=key,
                           recheck_remaining=planned.target.recheck_remaining)
@@ -198,17 +198,18 @@ def _digest(planned: policy_pass.Planned) -> str:
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
-def _claim_tick(engine: Engine, key: str, holder: str) -> int | None:
-    """Record this pass under `key`; None when the state was decided already. A pass that took the
-    key and never finished (killed, the database lost mid-pass) or finished with an error decided
-    nothing: its key is taken over, so the state is decided again. Two live passes never share it:
-    a pass runs only while it holds the leader lease."""
+def _claim_tick(engine: Engine, key: str, holder: str, lease_s: float) -> int | None:
+    """Record this pass under `key`; None when the state was decided already. A pass that finished
+    with an error decided nothing, nor did one that took the key and never finished (killed, the
+    database lost mid-pass) within a leader lease: its key is taken over, so the state is decided
+    again. An unfinished pass younger than that may still be running: its key stays its own."""
     stmt = insert(Tick).values(key=key, holder=holder)
     stmt = stmt.on_conflict_do_update(
         index_elements=[Tick.key],
         set_={"holder": holder, "started_at": func.now(), "finished_at": None, "decision_id": None,
               "plan_id": None, "error": None},
-        where=Tick.finished_at.is_(None) | Tick.error.is_not(None))
+        where=Tick.error.is_not(None) | (Tick.finished_at.is_(None) & (
+            Tick.started_at < func.now() - func.make_interval(0, 0, 0, 0, 0, 0, lease_s))))
     with transaction(engine, actor=holder) as session:
         return session.scalar(stmt.returning(Tick.id))
 

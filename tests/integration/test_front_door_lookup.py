@@ -1,6 +1,6 @@
 """How an agent finds the front door: a fleet that never had one goes without; a stopped one (a restart)
-is waited for, and never gone around: a worker admitted or drained meanwhile would be missing from, or
-left in, its routers once it is back."""
+is waited for before a worker is registered, never gone around (a worker admitted meanwhile would be
+missing from its routers once it is back), while a worker leaving service does not wait for it."""
 
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ import time
 
 import pytest
 from pearl.agents.drivers.base import DriverError
-from pearl.agents.router_client import FrontDoorClient, front_door_for
-from pearl.agents.steps import NoFrontDoor
+from pearl.agents.router_client import FleetFrontDoor, FrontDoorClient
 from pearl.controlplane.store.routers import register_router, router_stopped
 from sqlalchemy import Engine
 
@@ -23,24 +22,35 @@ def _register(engine: Engine, pid: int, port: int) -> None:
 
 
 def test_no_front_door_at_all_is_gone_without(db_engine: Engine) -> None:
-    assert isinstance(front_door_for(db_engine, wait_s=0), NoFrontDoor)
+    door = FleetFrontDoor(db_engine, wait_s=5)
+    t0 = time.monotonic()
+    assert door.live(wait=True) is None
+    assert door.register("http://127.0.0.1:1", "colocated") is None and door.set_mode("split") is None
+    assert door.deregister("http://127.0.0.1:1") is None
+    assert time.monotonic() - t0 < 2  # nothing waited for
 
 
 def test_a_live_front_door_is_used(db_engine: Engine) -> None:
     _register(db_engine, 101, 18000)
-    door = front_door_for(db_engine, wait_s=0)
-    assert isinstance(door, FrontDoorClient) and door.url == "http://127.0.0.1:18001"
+    client = FleetFrontDoor(db_engine, wait_s=0).live(wait=False)
+    assert isinstance(client, FrontDoorClient) and client.url == "http://127.0.0.1:18001"
+    client.close()
 
 
-def test_a_stopped_front_door_is_waited_for_then_refused_not_gone_around(db_engine: Engine) -> None:
+def test_a_stopped_front_door_is_waited_for_before_a_registration_not_before_a_deregistration(
+        db_engine: Engine) -> None:
     _register(db_engine, 101, 18000)
     router_stopped(db_engine, pid=101)
+    door = FleetFrontDoor(db_engine, wait_s=0.5, poll_s=0.05)
     t0 = time.monotonic()
+    assert door.deregister("http://127.0.0.1:1") is None  # leaving service: not waited for
+    assert time.monotonic() - t0 < 0.5
     with pytest.raises(DriverError, match="the front door is stopped"):
-        front_door_for(db_engine, wait_s=0.5, poll_s=0.05)
+        door.register("http://127.0.0.1:1", "colocated")
     assert time.monotonic() - t0 >= 0.5
     back = threading.Timer(0.3, _register, (db_engine, 102, 18010))  # the restarted front door registers
     back.start()
-    door = front_door_for(db_engine, wait_s=10, poll_s=0.05)
+    client = FleetFrontDoor(db_engine, wait_s=10, poll_s=0.05).live(wait=True)
     back.join()
-    assert isinstance(door, FrontDoorClient) and door.url == "http://127.0.0.1:18011"
+    assert isinstance(client, FrontDoorClient) and client.url == "http://127.0.0.1:18011"
+    client.close()

@@ -104,6 +104,11 @@ def test_a_pass_that_died_after_taking_its_key_does_not_stop_the_state_being_dec
         assert dead.finished_at is not None and "ConnectionError" in dead.error
         if death == "killed":  # SIGKILLed right after taking the key: the row never finished
             session.execute(text("UPDATE ticks SET finished_at = NULL, error = NULL"))
+    if death == "killed":  # within a lease it may be a live pass (a slow one): its key stays its own
+        busy = tick(cp.engine)
+        assert not busy.ran and "decided already" in busy.note
+        with transaction(cp.engine) as session:  # a lease later, it is a dead one
+            session.execute(text("UPDATE ticks SET started_at = started_at - interval '1 minute'"))
     assert count(cp.engine, Plan) == 0
     retried = tick(cp.engine)  # the same state: decided, under the same key
     assert retried.ran and retried.applied and retried.plan is not None, retried.note

@@ -176,7 +176,6 @@ def test_a_worker_a_step_is_at_work_on_is_not_out_of_service_for_the_watch(live:
     assert [(r["worker_id"], r["action"]) for r in claimed] == [(2, "start")]
     with transaction(live.engine) as s:  # the start deals with the server it finds
         assert crashes.out_of_service(s, "node-a", [1, 2]) == []
-        assert not crashes.hold_out_of_service(s, "node-a", 2)
     live.drivers["node-a"].stop(2, grace_s=5.0)
 
 

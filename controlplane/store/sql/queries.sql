@@ -74,7 +74,8 @@ RETURNING id, plan_id, status;
 -- counted (every action is idempotent, so the next claim redoes what is missing). A step whose plan
 -- stopped applying meanwhile (failed, aborted) is cancelled instead, as a rescue would: nothing of
 -- that plan may run again, and its cleanup plan takes the worker over. The plan row is share-locked,
--- so a plan failing at this moment is waited for and then seen.
+-- so a plan failing at this moment is waited for and then seen. Run it after taking the fleet row,
+-- as the reaper does (fleet, then step, then plan), so the two never wait on each other.
 UPDATE plan_steps s
 SET status = CASE WHEN p.status = 'applying' THEN CAST('ready' AS step_status)
                   ELSE CAST('cancelled' AS step_status) END,
