@@ -9,6 +9,7 @@ import json
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -72,6 +73,21 @@ def context(engine: Engine, step: dict[str, Any], servers: FakeServers, driver: 
                        timeouts=Timeouts(weights_s=weights_s, poll_s=0.02))
 
 
+def in_background(fn: Callable[[], object]) -> tuple[threading.Thread, list[BaseException]]:
+    """Run `fn` in a thread; what it raised lands in the list."""
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as exc:  # noqa: BLE001 - reported by the caller
+            errors.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, errors
+
+
 def activity(engine: Engine) -> str:
     with transaction(engine) as s:
         return s.scalar(text("SELECT activity FROM workers WHERE id = 1"))
@@ -109,22 +125,8 @@ def test_a_version_that_never_arrives_fails_the_admission_clearly(db_engine: Eng
 
 def test_a_newly_admitted_worker_serves_only_once_it_has_the_current_version(db_engine: Engine, tmp_path: Path,
                                                                             no_broker: None) -> None:
-    servers, front_door = FakeServers(), FakeFrontDoor()
-    driver = FakeDriver(servers, "node-a")
-    step = up_to_admit(db_engine, servers, driver)
-    cp = ControlPlane(engine=db_engine)
-    cp.training_begin(1, wait_s=0)
-    cp.training_end(1, weights_version=1, snapshot=str(snapshot(tmp_path / "v1", 1)))
-    errors: list[BaseException] = []
-
-    def run_admit() -> None:
-        try:
-            admit(context(db_engine, step, servers, driver, front_door, weights_s=30))
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
-
-    thread = threading.Thread(target=run_admit)
-    thread.start()
+    servers, front_door, driver, _, step = admitting_at_v1(db_engine, tmp_path)
+    thread, errors = in_background(lambda: admit(context(db_engine, step, servers, driver, front_door, weights_s=30)))
     thread.join(0.5)
     assert thread.is_alive() and activity(db_engine) == "transitioning" and front_door.workers == {}
     outcome = run_sync(db_engine, 1, 1, client=servers.client)  # the node's worker takes the queued sync
@@ -146,12 +148,7 @@ def test_a_server_left_paused_by_a_failed_resume_is_resumed_before_the_sync_is_d
                                                                                      no_broker: None) -> None:
     """The load went through but `continue_generation` did not: the sync is not done until the server
     serves again (else every request routed to it waits for ever)."""
-    servers = FakeServers()
-    driver = FakeDriver(servers, "node-a")
-    up_to_admit(db_engine, servers, driver)
-    cp = ControlPlane(engine=db_engine)
-    cp.training_begin(1, wait_s=0)
-    cp.training_end(1, weights_version=1, snapshot=str(snapshot(tmp_path / "v1", 1)))
+    servers, _, driver, _, _ = admitting_at_v1(db_engine, tmp_path)
     lost = [True]
 
     class ResumeLostOnce(FakeClient):
@@ -167,17 +164,35 @@ def test_a_server_left_paused_by_a_failed_resume_is_resumed_before_the_sync_is_d
     assert driver.by_worker[1].weight_version == 1 and [r["state"] for r in sync_rows(db_engine)] == ["done"]
 
 
+def admitting_at_v1(engine: Engine, tmp_path: Path) -> tuple[FakeServers, FakeFrontDoor, FakeDriver, ControlPlane,
+                                                             dict[str, Any]]:
+    """Worker 1 up to its admit (claimed, not run), then the trainer publishes version 1."""
+    servers, front_door = FakeServers(), FakeFrontDoor()
+    driver = FakeDriver(servers, "node-a")
+    step = up_to_admit(engine, servers, driver)
+    cp = ControlPlane(engine=engine)
+    cp.training_begin(1, wait_s=0)
+    cp.training_end(1, weights_version=1, snapshot=str(snapshot(tmp_path / "v1", 1)))
+    return servers, front_door, driver, cp, step
+
+
+def at_load_weights(engine: Engine, tmp_path: Path) -> tuple[FakeServers, FakeFrontDoor, FakeDriver, ControlPlane,
+                                                             dict[str, Any]]:
+    """The trainer at version 1, and worker 1 starting, up to its load_weights (claimed, not run)."""
+    servers, front_door = FakeServers(), FakeFrontDoor()
+    driver = FakeDriver(servers, "node-a")
+    import_cluster(engine, TWO_NODES)
+    cp = ControlPlane(engine=engine)
+    cp.training_begin(1, wait_s=0)
+    cp.training_end(1, weights_version=1, snapshot=str(snapshot(tmp_path / "v1", 1)))
+    return servers, front_door, driver, cp, up_to_admit(engine, servers, driver, "load_weights", imported=True)
+
+
 def test_a_version_published_during_a_starting_workers_load_is_loaded_in_turn(db_engine: Engine, tmp_path: Path,
                                                                               no_broker: None) -> None:
     """The trainer publishes v2 while the new worker loads v1: the step loads v2 too and succeeds (it
     used to fail, failing the plan and its whole expansion group)."""
-    servers, front_door = FakeServers(), FakeFrontDoor()
-    driver = FakeDriver(servers, "node-a")
-    import_cluster(db_engine, TWO_NODES)
-    cp = ControlPlane(engine=db_engine)
-    cp.training_begin(1, wait_s=0)
-    cp.training_end(1, weights_version=1, snapshot=str(snapshot(tmp_path / "v1", 1)))
-    step = up_to_admit(db_engine, servers, driver, "load_weights", imported=True)
+    servers, front_door, driver, cp, step = at_load_weights(db_engine, tmp_path)
     published: list[int] = []
 
     class PublishesMidLoad(FakeClient):
@@ -201,25 +216,11 @@ def test_a_version_published_during_a_starting_workers_load_is_loaded_in_turn(db
 
 def test_a_starting_workers_load_waits_for_a_weight_sync_of_the_same_server(db_engine: Engine, tmp_path: Path,
                                                                             no_broker: None) -> None:
-    servers, front_door = FakeServers(), FakeFrontDoor()
-    driver = FakeDriver(servers, "node-a")
-    import_cluster(db_engine, TWO_NODES)
-    cp = ControlPlane(engine=db_engine)
-    cp.training_begin(1, wait_s=0)
-    cp.training_end(1, weights_version=1, snapshot=str(snapshot(tmp_path / "v1", 1)))
-    step = up_to_admit(db_engine, servers, driver, "load_weights", imported=True)
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            load_weights(context(db_engine, step, servers, driver, front_door, weights_s=10))
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
-
+    servers, front_door, driver, _, step = at_load_weights(db_engine, tmp_path)
     with rows.sync_lock(db_engine, 1, timeout_s=1) as held:  # a sync of worker 1 is at work
         assert held
-        thread = threading.Thread(target=run)
-        thread.start()
+        thread, errors = in_background(
+            lambda: load_weights(context(db_engine, step, servers, driver, front_door, weights_s=10)))
         thread.join(0.5)
         assert thread.is_alive() and driver.by_worker[1].commands == []  # not touched meanwhile
         driver.by_worker[1].weight_version = 1  # what the sync did
@@ -232,12 +233,7 @@ def test_a_starting_workers_load_waits_for_a_weight_sync_of_the_same_server(db_e
 
 def test_status_shows_each_workers_weights_version_and_lag(db_engine: Engine, database_url: str, tmp_path: Path,
                                                            no_broker: None, pearlctl_env: dict[str, str]) -> None:
-    servers = FakeServers()
-    driver = FakeDriver(servers, "node-a")
-    up_to_admit(db_engine, servers, driver)
-    cp = ControlPlane(engine=db_engine)
-    cp.training_begin(1, wait_s=0)
-    cp.training_end(1, weights_version=1, snapshot=str(snapshot(tmp_path / "v1", 1)))
+    servers, _, driver, _, _ = admitting_at_v1(db_engine, tmp_path)
     status = read_fleet_status(db_engine)
     assert status["trainer_version"] == 1
     w1 = next(w for w in status["workers"] if w["id"] == 1)
