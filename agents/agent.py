@@ -79,6 +79,7 @@ class Agent:
         self._plan_changed = threading.Event()
         self._lock = threading.Lock()
         self._in_hand: dict[int, StepContext] = {}  # step id -> its context
+        self._claim_after = 0.0  # a step handed back for a busy worker: no claim before this (no hot loop)
         self._pool = ThreadPoolExecutor(max_workers=config.max_steps, thread_name_prefix=f"step-{config.node}")
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -168,13 +169,21 @@ class Agent:
         assert self.registration is not None
         with self._lock:
             free = self.config.max_steps - len(self._in_hand)
-        if free <= 0 or self._stop.is_set():
+        if free <= 0 or self._stop.is_set() or time.monotonic() < self._claim_after:
             return
         with transaction(self.engine, actor=f"agent {self.config.node}") as session:
             rows = session.execute(query("claim_steps"), {
                 "node_id": self.registration.node_id, "agent_id": self.registration.agent_id,
                 "lease_s": self.config.lease_s, "limit": free}).mappings().all()
         for row in rows:
+            with self._lock:
+                busy = any(c.step["worker_id"] == row["worker_id"] and not c.finishing for c in self._in_hand.values())
+            if busy:  # a thread of this agent still works on the worker's server (its claim lapsed): not beside it
+                log.info("%s: worker %s is still busy with an earlier claim; handing the step back", row["key"],
+                         row["worker_id"], extra={"action": "claim_deferred"})
+                self._hand_back(row)
+                self._claim_after = time.monotonic() + 1.0
+                continue
             ctx = StepContext(self.engine, dict(row), self.driver, self.client, self.front_door,
                               self.registration.address, actor=f"agent {self.config.node}",
                               timeouts=self.config.timeouts)
@@ -187,7 +196,10 @@ class Agent:
     def _enact(self, ctx: StepContext) -> None:
         key = ctx.step["key"]
         try:
-            HANDLERS[ctx.action](ctx)
+            try:
+                HANDLERS[ctx.action](ctx)
+            finally:
+                ctx.finishing = True
             log.info("%s succeeded", key, extra={"action": "step_success"})
         except StepCancelled as exc:
             self._stopped(ctx, exc.reason)
@@ -209,15 +221,20 @@ class Agent:
         if reason == "plan":
             self._report(ctx, StepStatus.CANCELLED, "its plan stopped applying")
         elif reason == "shutdown":
-            try:
-                with transaction(self.engine, actor=f"agent {self.config.node}") as session:
-                    lock_fleet(session)  # the order every writer takes (the reaper: fleet, step, plan)
-                    row = session.execute(query("hand_back_step"), {"step_id": ctx.id, "fence": ctx.fence}).first()
-                stopped = row is not None and row.status != StepStatus.READY.value
-                log.info("%s handed back%s", ctx.step["key"], " (its plan stopped: cancelled)" if stopped else "",
-                         extra={"action": "hand_back_step"})
-            except Exception as exc:  # the lease runs out and the reaper takes the step back
-                log.warning("%s: could not hand back: %s", ctx.step["key"], exc)
+            self._hand_back(ctx.step)
+
+    def _hand_back(self, step: Any) -> None:
+        """Give a claimed step back (not counted as an attempt): ready again, or cancelled if its plan
+        stopped applying."""
+        try:
+            with transaction(self.engine, actor=f"agent {self.config.node}") as session:
+                lock_fleet(session)  # the order every writer takes (the reaper: fleet, step, plan)
+                row = session.execute(query("hand_back_step"), {"step_id": step["id"], "fence": step["fence"]}).first()
+            stopped = row is not None and row.status != StepStatus.READY.value
+            log.info("%s handed back%s", step["key"], " (its plan stopped: cancelled)" if stopped else "",
+                     extra={"action": "hand_back_step"})
+        except Exception as exc:  # the lease runs out and the reaper takes the step back
+            log.warning("%s: could not hand back: %s", step["key"], exc)
 
     def _report(self, ctx: StepContext, status: StepStatus, error: str) -> None:
         try:

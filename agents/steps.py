@@ -117,6 +117,7 @@ class StepContext:
     timeouts: Timeouts = field(default_factory=Timeouts)
     cancel: threading.Event = field(default_factory=threading.Event)
     cancel_reason: str = "plan"
+    finishing: bool = False  # the handler is past its server calls (reporting, or ended)
 
     @property
     def id(self) -> int:
@@ -171,6 +172,7 @@ class StepContext:
     def complete(self, **effect: Any) -> plan_store.PlanProgress:
         """The end of the effect and the success, in one fenced transaction."""
         self.check()
+        self.finishing = True  # set before the commit: the worker's next step may be claimed at once
         with transaction(self.engine, actor=self.actor, reason=f"step {self.step['key']}") as session:
             return plan_store.complete_step(session, self.id, self.fence, **effect)
 

@@ -40,6 +40,8 @@ class FakeServers:
         self.lock = threading.Lock()
         self.launches = 0
         self.hang_launch = threading.Event()  # set: launch blocks until cleared (a step stuck mid-way)
+        self.in_launch = 0  # launches blocked right now
+        self.most_in_launch = 0
 
     def client(self, endpoint: str, fence: int | None = None) -> FakeClient:
         return FakeClient(self, endpoint, fence)
@@ -59,8 +61,14 @@ class FakeDriver:
                       9000 if s.role is Role.PREFILL else None, "")
 
     def launch(self, spec: ServerSpec) -> Server:
-        while self.servers_.hang_launch.is_set():
-            threading.Event().wait(0.02)
+        if self.servers_.hang_launch.is_set():
+            with self.servers_.lock:
+                self.servers_.in_launch += 1
+                self.servers_.most_in_launch = max(self.servers_.most_in_launch, self.servers_.in_launch)
+            while self.servers_.hang_launch.is_set():
+                threading.Event().wait(0.02)
+            with self.servers_.lock:
+                self.servers_.in_launch -= 1
         with self.servers_.lock:
             old = self.by_worker.get(spec.worker_id)
             if old is not None and old.alive and old.spec.generation == spec.generation:

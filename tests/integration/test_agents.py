@@ -250,6 +250,32 @@ def test_an_agent_outlives_an_error_that_is_not_the_database_being_away(fleet: F
     assert failures and all(thread.is_alive() for _, thread in fleet.agents)
 
 
+def test_a_step_claimed_again_while_its_lapsed_thread_still_runs_is_not_enacted_beside_it(fleet: Fleet) -> None:
+    """The claim of a step stuck in its server call lapses (a database away longer than the lease) and is
+    rescued; the agent claims the step again while the old thread still runs: it hands it back until that
+    thread is done, instead of a second thread driving the same server."""
+    from pearl.controlplane.store.queries import query
+
+    fleet.servers.hang_launch.set()
+    try:
+        fleet.start("node-a")
+        plan_id = propose(fleet.engine, Target(frozenset({1}), {Role.COLOCATED: 1}))
+        plan_store.apply(fleet.engine, plan_id)
+        _wait_for(lambda: fleet.servers.in_launch == 1)
+        with transaction(fleet.engine) as session:  # the lease ran out; a reaper takes the step back
+            session.execute(text("UPDATE plan_steps SET lease_until = now() - interval '1 minute' "
+                                 "WHERE status = 'running'"))
+            assert session.execute(query("rescue_expired_steps"), {"max_attempts": 10}).all()
+        _wait_for(lambda: _step(fleet.engine, plan_id, "w1.start")["error"] == "handed back by its agent")
+        time.sleep(0.5)
+        assert fleet.servers.most_in_launch == 1  # never two threads on the one server
+    finally:
+        fleet.servers.hang_launch.clear()  # the old thread ends (its claim is gone); the step is enacted once
+    summary = plan_store.wait_plan(fleet.engine, plan_id, timeout_s=30, poll_s=0.05)
+    assert summary["status"] == "succeeded", summary["error"]
+    assert fleet.servers.launches == 1 and fleet.servers.most_in_launch == 1
+
+
 def test_an_applied_plan_is_claimed_without_a_heartbeat_first(fleet: Fleet) -> None:
     """Only a failed plan needs the steps in hand renewed at once; an applied or finished plan wakes the
     agent to claim, not to heartbeat (a commit that would delay every first claim)."""
