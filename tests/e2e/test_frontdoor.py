@@ -198,19 +198,19 @@ def test_a_restarted_front_door_records_the_mode_it_restored_not_its_command_lin
             row = s.execute(text("SELECT mode, stopped_at FROM routers")).first()
             return (row.mode, row.stopped_at) if row is not None else (None, "no row yet")
 
+    doors = []  # every front door started here is stopped, whatever fails
     try:
-        first = start_front_door(tmp_path / "fd", env=env)
+        doors.append(first := start_front_door(tmp_path / "fd", env=env))
         _wait(lambda: recorded()[0] == "colocated")
         first.client.set_mode("split")  # what a router_sync step does
         first.stop()
         assert first.proc.returncode == 0 and recorded()[1] is not None
-        again = start_front_door(tmp_path / "fd", port=None, env=env)  # the same run dir, --mode colocated
-        try:
-            _wait(lambda: recorded()[1] is None)
-            assert again.client.state()["mode"] == "split" and recorded()[0] == "split"
-        finally:
-            again.stop()
+        doors.append(again := start_front_door(tmp_path / "fd", env=env))  # the same run dir, --mode colocated
+        _wait(lambda: recorded()[1] is None)
+        assert again.client.state()["mode"] == "split" and recorded()[0] == "split"
     finally:
+        for door in doors:
+            door.stop()
         engine.dispose()
 
 
