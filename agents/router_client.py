@@ -69,15 +69,16 @@ class FleetFrontDoor:
 
     def live(self, wait: bool) -> FrontDoorClient | None:
         """A client of the live front door; None when the fleet has none, or (not waiting) it is stopped."""
-        from pearl.controlplane.store.routers import front_door_registered, front_door_url
+        from pearl.controlplane.store.routers import front_door
 
         deadline = time.monotonic() + (self.wait_s if wait else 0.0)
         while True:
-            url = front_door_url(self.engine)
-            if url:
-                return FrontDoorClient(url)
-            if not front_door_registered(self.engine):
+            found = front_door(self.engine)
+            if found is None:
                 return None
+            url, running = found
+            if running:
+                return FrontDoorClient(url)
             if time.monotonic() >= deadline:
                 if wait:
                     raise DriverError(f"the front door is stopped (restarting?) and did not come back within "

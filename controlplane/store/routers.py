@@ -1,6 +1,6 @@
 """The front door as a row of `routers`: where clients send requests, where agents register workers,
 and which mode it serves (the router_sync step records it). `pearlctl router serve` registers itself
-here when it starts and says so when it stops; agents find it by `front_door_url`."""
+here when it starts and says so when it stops; agents find it by `front_door`."""
 
 from __future__ import annotations
 
@@ -27,14 +27,10 @@ def router_stopped(engine: Engine, *, pid: int, name: str = DEFAULT) -> None:
                         .values(stopped_at=func.pearl_now()))
 
 
-def front_door_registered(engine: Engine, name: str = DEFAULT) -> bool:
-    """Whether the fleet has a front door at all, running or not (a stopped one is restarting, or gone
-    on purpose: either way workers are not to be admitted around it)."""
+def front_door(engine: Engine, name: str = DEFAULT) -> tuple[str, bool] | None:
+    """The front door's admin URL and whether it runs (a stopped one is restarting, or gone on
+    purpose); None when the fleet never registered one."""
     with transaction(engine) as session:
-        return session.scalar(select(func.count()).select_from(Router).where(Router.name == name)) > 0
-
-
-def front_door_url(engine: Engine, name: str = DEFAULT) -> str | None:
-    """The admin URL of the live front door (None: the fleet has none)."""
-    with transaction(engine) as session:
-        return session.scalar(select(Router.admin_url).where(Router.name == name, Router.stopped_at.is_(None)))
+        row = session.execute(select(Router.admin_url, Router.stopped_at.is_(None))
+                              .where(Router.name == name)).first()
+    return (row[0], bool(row[1])) if row is not None else None
