@@ -24,7 +24,8 @@ def register(app: typer.Typer) -> None:
 def serve(
     port: Annotated[int, typer.Option(help="The clients' address (port).")] = 30000,
     host: Annotated[str, typer.Option(help="Address to bind.")] = "127.0.0.1",
-    mode: Annotated[str, typer.Option(help="Initial mode: colocated or split.")] = "colocated",
+    mode: Annotated[str | None, typer.Option(help="Initial mode: colocated or split (default: the mode recorded for "
+                                                  "the fleet's front door, else colocated).")] = None,
     run_dir: Annotated[Path | None, typer.Option(help="State and router logs (default ./frontdoor).")] = None,
     hold_s: Annotated[float, typer.Option(help="How long a request may wait for workers of the mode.")] = 120.0,
     max_held: Annotated[int, typer.Option(help="Requests held at once before refusing.")] = 4096,
@@ -35,20 +36,25 @@ def serve(
     from pearl.agents.router import MODES, FrontDoorConfig
     from pearl.agents.router import serve as run
 
-    if mode not in MODES:
+    if mode is not None and mode not in MODES:
         raise BadInput(f"--mode: one of {', '.join(MODES)}, not {mode!r}")
     if not 0 < port < 65536:
         raise BadInput(f"--port: a TCP port (1-65535), not {port}")
     if hold_s < 0 or max_held < 0:
         raise BadInput("--hold-s, --max-held: not negative")
-    cfg = FrontDoorConfig(port=port, host=host, mode=mode, run_dir=str(run_dir) if run_dir else None,
-                          hold_s=hold_s, max_held=max_held)
     engine = None
     if register_in_db:
         from pearl.controlplane.store.db import make_engine, require_schema
+        from pearl.controlplane.store.routers import recorded_mode
 
         engine = make_engine()
         require_schema(engine)
+        if mode is None:  # a front door started again on a new run directory serves the fleet's mode
+            mode = recorded_mode(engine)
+    # a state.json in the run directory overrides this: the mode it served before a restart
+    cfg = FrontDoorConfig(port=port, host=host, mode=mode or "colocated", run_dir=str(run_dir) if run_dir else None,
+                          hold_s=hold_s, max_held=max_held)
+    if engine is not None:
         threading.Thread(target=_register_when_listening, args=(engine, cfg), daemon=True).start()
     try:
         import asyncio

@@ -58,7 +58,7 @@ class FrontDoorProcess:
                 self.proc.wait()
 
 
-def start_front_door(run_dir: Path, port: int | None = None, mode: str = "colocated", hold_s: float = 60.0,
+def start_front_door(run_dir: Path, port: int | None = None, mode: str | None = "colocated", hold_s: float = 60.0,
                      timeout_s: float = 90.0, env: dict[str, str] | None = None) -> FrontDoorProcess:
     """`pearlctl router serve` as a process; with `env` naming a database (PEARL_DATABASE_URL) it
     registers itself there, without it it runs alone (--no-register)."""
@@ -66,8 +66,9 @@ def start_front_door(run_dir: Path, port: int | None = None, mode: str = "coloca
     run_dir.mkdir(parents=True, exist_ok=True)
     log = run_dir / "frontdoor.log"
     with log.open("ab") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "pearl.cli.router", "serve", "--port", str(port), "--mode",
-                                 mode, "--run-dir", str(run_dir), "--hold-s", str(hold_s),
+        proc = subprocess.Popen([sys.executable, "-m", "pearl.cli.router", "serve", "--port", str(port),
+                                 *(["--mode", mode] if mode else []), "--run-dir", str(run_dir),
+                                 "--hold-s", str(hold_s),
                                  "--register" if env else "--no-register"],
                                 stdout=subprocess.DEVNULL, stderr=err, stdin=subprocess.DEVNULL,
                                 env={**os.environ, **env} if env else None)

@@ -34,3 +34,9 @@ def front_door(engine: Engine, name: str = DEFAULT) -> tuple[str, bool] | None:
         row = session.execute(select(Router.admin_url, Router.stopped_at.is_(None))
                               .where(Router.name == name)).first()
     return (row[0], bool(row[1])) if row is not None else None
+
+
+def recorded_mode(engine: Engine, name: str = DEFAULT) -> str | None:
+    """The mode recorded for the front door (the last router_sync, or what it served); None if none."""
+    with transaction(engine) as session:
+        return session.scalar(select(Router.mode).where(Router.name == name))

@@ -186,7 +186,8 @@ def test_a_restarted_front_door_registers_its_workers_again_and_sigkill_leaves_n
         assert again.proc.returncode == 0 and wait_gone(children)
 
 
-def test_a_restarted_front_door_records_the_mode_it_restored_not_its_command_line(tmp_path, database_url):
+def test_a_restarted_front_door_serves_the_mode_it_restored_or_the_one_recorded_not_its_command_line(
+        tmp_path, database_url):
     from pearl.controlplane.store.db import make_engine, transaction
     from sqlalchemy import text
 
@@ -208,6 +209,11 @@ def test_a_restarted_front_door_records_the_mode_it_restored_not_its_command_lin
         doors.append(again := start_front_door(tmp_path / "fd", env=env))  # the same run dir, --mode colocated
         _wait(lambda: recorded()[1] is None)
         assert again.client.state()["mode"] == "split" and recorded()[0] == "split"
+        again.stop()
+        # started on a new run directory with no --mode: the mode recorded for the fleet, not colocated
+        doors.append(fresh := start_front_door(tmp_path / "fresh", mode=None, env=env))
+        _wait(lambda: recorded()[1] is None)
+        assert fresh.client.state()["mode"] == "split" and recorded()[0] == "split"
     finally:
         for door in doors:
             door.stop()
