@@ -12,7 +12,8 @@ at any instant and a new one carries on. The loop:
 - runs a reaper pass every `reap_every_s` while it holds the `reaper` leader lease;
 - watches the servers of its node's active workers every `watch_s` (`agents.server_watch`): one whose
   process is gone and that does not answer for `crash_after_s` is taken out of service, its GPUs
-  freed, and off the front door;
+  freed, and off the front door; one the front door does not list (restarted without its state) is
+  registered again, with no step of that worker enacted meanwhile;
 - reports each step with the fenced effect transaction: succeeded only with its effect in the rows;
   failed with the driver's message; cancelled once its plan stopped.
 SIGTERM: it claims nothing more, lets the steps in hand finish for up to `grace_s`, hands back what is
@@ -23,12 +24,13 @@ keep serving and the next agent on the node adopts them (the driver's run direct
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -79,6 +81,7 @@ class Agent:
         self._plan_changed = threading.Event()
         self._lock = threading.Lock()
         self._in_hand: dict[int, StepContext] = {}  # step id -> its context
+        self._aside: set[int] = set()  # workers the server watch works on: no step of theirs meanwhile
         self._claim_after = 0.0  # a step handed back for a busy worker: no claim before this (no hot loop)
         self._pool = ThreadPoolExecutor(max_workers=config.max_steps, thread_name_prefix=f"step-{config.node}")
 
@@ -176,19 +179,21 @@ class Agent:
                 "node_id": self.registration.node_id, "agent_id": self.registration.agent_id,
                 "lease_s": self.config.lease_s, "limit": free}).mappings().all()
         for row in rows:
-            with self._lock:
-                busy = any(c.step["worker_id"] == row["worker_id"] and not c.finishing for c in self._in_hand.values())
-            if busy:  # a thread of this agent still works on the worker's server (its claim lapsed): not beside it
-                log.info("%s: worker %s is still busy with an earlier claim; handing the step back", row["key"],
-                         row["worker_id"], extra={"action": "claim_deferred"})
-                self._hand_back(row)
-                self._claim_after = time.monotonic() + 1.0
-                continue
             ctx = StepContext(self.engine, dict(row), self.driver, self.client, self.front_door,
                               self.registration.address, actor=f"agent {self.config.node}",
                               timeouts=self.config.timeouts)
-            with self._lock:
-                self._in_hand[ctx.id] = ctx
+            with self._lock:  # "is the worker busy" and "now it is" in one critical section (see `_held_aside`)
+                busy = row["worker_id"] in self._aside or any(
+                    c.step["worker_id"] == row["worker_id"] and not c.finishing for c in self._in_hand.values())
+                if not busy:
+                    self._in_hand[ctx.id] = ctx
+            if busy:  # a thread of this agent still works on the worker's server (an earlier claim that
+                # lapsed, or the server watch): not beside it
+                log.info("%s: worker %s is busy; handing the step back", row["key"], row["worker_id"],
+                         extra={"action": "claim_deferred"})
+                self._hand_back(row)
+                self._claim_after = time.monotonic() + 1.0
+                continue
             log.info("claimed %s (step %s, fence %s)", row["key"], row["id"], row["fence"],
                      extra={"action": "claim_step"})
             self._pool.submit(self._enact, ctx)
@@ -260,14 +265,31 @@ class Agent:
             if close is not None:
                 close()
 
+    @contextlib.contextmanager
+    def _held_aside(self, worker_id: int) -> Iterator[bool]:
+        """Hold a worker aside for the server watch: True, and no step of it is enacted until the block
+        ends (one claimed meanwhile is handed back); False when a step of it is in hand now."""
+        with self._lock:
+            held = not any(c.step["worker_id"] == worker_id for c in self._in_hand.values())
+            if held:
+                self._aside.add(worker_id)
+        try:
+            yield held
+        finally:
+            if held:
+                with self._lock:
+                    self._aside.discard(worker_id)
+
     def _watch(self) -> None:
         c = self.config
-        watch = ServerWatch(self.engine, c.node, self.driver, self._health, self.front_door, c.crash_after_s)
+        watch = ServerWatch(self.engine, c.node, self.driver, self._health, self.front_door, c.crash_after_s,
+                            aside=self._held_aside)
         while not self._stop.wait(c.watch_s):
             try:
                 if watch.check():
                     self._wake.set()
                 watch.stop_leftovers()
+                watch.register_missing()
             except Exception as exc:  # the database may be away a while: look again next time
                 log.warning("watching the servers: %s", exc, extra={"action": "watch_failed"})
 

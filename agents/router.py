@@ -20,9 +20,10 @@ What it adds to the routers:
 Admin API for the agents (no database): `POST /pearl/workers {url, role, bootstrap_port}` registers a
 worker with the child of its role and returns once the child lists it; `DELETE /pearl/workers
 {url}` returns once it is gone; `PUT /pearl/mode {mode}`; `PUT /pearl/workers {mode, workers}` makes
-both children list exactly these workers (what an agent sends after a restart of the front door);
-`GET /pearl/state`. The registrations and the mode are also kept in `state.json` under the run
-directory, and a restarted front door registers again those workers that answer `/health`.
+both children list exactly these workers; `GET /pearl/state`. The registrations and the mode are
+also kept in `state.json` under the run directory, and a restarted front door registers again those
+workers that answer `/health`. One restarted without it lists none: the node agents register their
+serving workers again (agents/server_watch.py).
 
 Processes: the children are started with the parent-death signal set (Linux), so they never outlive
 the front door, even after a SIGKILL; SIGTERM stops them by PID (SIGTERM, then SIGKILL) and exits.
@@ -46,12 +47,11 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 from pearl.controlplane.core.domain import Role
-from pearl.controlplane.core.routing import REBALANCE_MIN_EXTRA, REBALANCE_RATIO
+from pearl.controlplane.core.routing import REBALANCE_MIN_EXTRA, REBALANCE_RATIO, WORKER_TYPE
 
 from .drivers.process import free_port
 
 MODES = ("colocated", "split")
-WORKER_TYPE = {Role.COLOCATED: "regular", Role.PREFILL: "prefill", Role.DECODE: "decode"}
 RETRYABLE = (500, 502, 503, 504)
 PR_SET_PDEATHSIG = 1
 

@@ -1,7 +1,7 @@
 """A synchronous client of the front door's admin API (agents/router.py): what the agent's steps call.
 
 `register` and `deregister` return once the child router lists (or no longer lists) the worker;
-`sync` makes the routers list exactly the given workers (after a restart of the front door);
+`sync` makes the routers list exactly the given workers; `state` says what the routers list;
 failures raise `DriverError` with the front door's message.
 """
 
@@ -12,6 +12,7 @@ from typing import Any
 
 import httpx
 from pearl.controlplane.core.domain import Role
+from pearl.controlplane.core.routing import WORKER_TYPE
 
 from .drivers.base import DriverError
 from .server_client import HTTPClient
@@ -51,6 +52,21 @@ class FrontDoorClient(HTTPClient):
 
     def state(self) -> dict[str, Any]:
         return self._call("GET", "/pearl/state")
+
+
+ROLE_OF_TYPE = {kind: role for role, kind in WORKER_TYPE.items()}
+
+
+def listed_workers(state: dict[str, Any]) -> set[tuple[str, Role]] | None:
+    """The workers a front door's `GET /pearl/state` says its routers list, as (url, role); None when a
+    router of it could not say (its list would look empty)."""
+    listed: set[tuple[str, Role]] = set()
+    for child in state.get("children", {}).values():
+        if child.get("error"):
+            return None
+        listed.update((w["url"], ROLE_OF_TYPE[w["worker_type"]]) for w in child["workers"]
+                      if w.get("worker_type") in ROLE_OF_TYPE)
+    return listed
 
 
 class FleetFrontDoor:
@@ -103,3 +119,12 @@ class FleetFrontDoor:
 
     def deregister(self, url: str) -> Any:
         return self._call(False, "deregister", url)
+
+    def listed(self) -> set[tuple[str, Role]] | None:
+        """The workers the live front door lists, as (url, role), asked once without waiting; None when
+        the fleet has none, it is stopped, or it gives no clear answer."""
+        try:
+            state = self._call(False, "state")
+        except DriverError:
+            return None
+        return None if state is None else listed_workers(state)

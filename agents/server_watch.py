@@ -17,16 +17,26 @@ out_of_service`): a revoked preemptible GPU whose notice ran out before its plan
 start that failed after its launch. Each is taken off the front door, then stopped only while it is
 still the process seen: a start arriving meanwhile replaces it (its generation moved on) and its new
 server is never touched. No database lock is held across the stop.
+
+And each pass registers again with the front door the serving workers it does not list, as a front
+door restarted without its run directory comes back with none: the workers whose server the driver
+runs at the endpoint the rows have and that answer `/health`, with the role and bootstrap port the
+driver recorded. The front door is asked what it lists once a pass, without waiting for it. A step
+must never run beside such a registration (a drain could be undone by it), so the agent holds the
+worker aside meanwhile (`aside`): not while a step of it is in hand, and a step claimed for it
+meanwhile is handed back. Once aside, the rows are read again: a step that came and went (a drain)
+has taken the worker out of `serving`, and it is left alone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
-from pearl.agents.drivers.base import Driver
+from pearl.agents.drivers.base import Driver, DriverError
 from pearl.agents.steps import FrontDoorAPI
 from pearl.controlplane.store import crashes
 from pearl.controlplane.store.db import transaction
@@ -34,14 +44,22 @@ from pearl.controlplane.store.db import transaction
 log = logging.getLogger("pearl.agent")
 
 
+@contextlib.contextmanager
+def always_aside(worker_id: int) -> Iterator[bool]:
+    """No steps to keep away (a watch used on its own)."""
+    yield True
+
+
 class ServerWatch:
     def __init__(self, engine: Any, node: str, driver: Driver, health: Callable[[str], bool],
                  front_door: Callable[[], FrontDoorAPI], crash_after_s: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 aside: Callable[[int], contextlib.AbstractContextManager[bool]] = always_aside) -> None:
         self.engine, self.node, self.driver = engine, node, driver
         self.health, self.front_door = health, front_door
         self.crash_after_s = crash_after_s
         self.clock = clock
+        self.aside = aside
         self.down_since: dict[crashes.Serving, float] = {}
 
     def down(self, seen: crashes.Serving) -> bool:
@@ -96,3 +114,35 @@ class ServerWatch:
             except Exception as exc:  # the front door drops a dead server by itself too; the rows are done
                 log.warning("front door: could not deregister %s: %s", seen.endpoint, exc)
         return crashed
+
+    def register_missing(self) -> list[int]:
+        """Register again the serving workers the front door does not list (module docstring); the workers."""
+        door = self.front_door()
+        listed = door.listed()
+        if listed is None:
+            return []
+        with transaction(self.engine) as session:
+            watched = crashes.serving(session, self.node)
+        registered = []
+        for seen in watched:
+            server = self.driver.running(seen.worker_id)
+            if server is None or server.endpoint != seen.endpoint or (server.endpoint, server.role) in listed:
+                continue
+            if not self.health(server.endpoint):
+                continue
+            with self.aside(seen.worker_id) as held:
+                if not held:
+                    continue
+                with transaction(self.engine) as session:
+                    if seen not in crashes.serving(session, self.node):
+                        continue
+                try:
+                    door.register(server.endpoint, server.role.value, server.bootstrap_port)
+                except DriverError as exc:  # the next pass tries again
+                    log.warning("front door: could not register worker %d at %s again: %s", seen.worker_id,
+                                server.endpoint, exc)
+                    continue
+            log.warning("the front door did not list worker %d at %s (restarted?): registered it again as %s",
+                        seen.worker_id, server.endpoint, server.role.value, extra={"action": "register_again"})
+            registered.append(seen.worker_id)
+        return registered

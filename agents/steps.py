@@ -69,12 +69,13 @@ class ServerAPI(Protocol):
 
 
 class FrontDoorAPI(Protocol):
-    """What the steps ask of the front door (`agents.router_client.FrontDoorClient`): which workers it
-    routes to, and its mode."""
+    """What the steps and the server watch ask of the front door (`agents.router_client.FleetFrontDoor`):
+    which workers it routes to, and its mode."""
 
     def register(self, url: str, role: str, bootstrap_port: int | None = None) -> Any: ...
     def deregister(self, url: str) -> Any: ...
     def set_mode(self, mode: str) -> None: ...
+    def listed(self) -> set[tuple[str, Role]] | None: ...
 
 
 class NoFrontDoor:
@@ -87,6 +88,9 @@ class NoFrontDoor:
         return None
 
     def set_mode(self, mode: str) -> None:
+        return None
+
+    def listed(self) -> None:
         return None
 
 

@@ -10,5 +10,9 @@ SGLang's router defaults (64 more) suit a chat service, not a rollout batch of t
 trajectories.
 """
 
+from pearl.controlplane.core.domain import Role
+
+WORKER_TYPE = {Role.COLOCATED: "regular", Role.PREFILL: "prefill", Role.DECODE: "decode"}  # sglang-router's names
+
 REBALANCE_MIN_EXTRA = 2  # live trajectories more than the least loaded worker, at least
 REBALANCE_RATIO = 1.5  # and this many times as many

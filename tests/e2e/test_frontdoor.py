@@ -220,6 +220,38 @@ def test_a_restarted_front_door_serves_the_mode_it_restored_or_the_one_recorded_
         engine.dispose()
 
 
+def test_a_front_door_restarted_on_an_empty_run_directory_serves_the_fleets_workers_again(
+        db_engine, database_url, broker_url, tmp_path, pearlctl_env):
+    """Its state.json lost: the node agent's watch registers its serving workers again from the rows."""
+    from pearl.agents.router_client import FleetFrontDoor
+    from weights_support import bring_up
+
+    fleet = bring_up(db_engine, database_url, broker_url, tmp_path, pearlctl_env)
+    env = {"PEARL_DATABASE_URL": database_url}
+    doors = []  # every front door started here is stopped, whatever fails
+    try:
+        doors.append(first := start_front_door(tmp_path / "fd", env=env))
+        found = FleetFrontDoor(db_engine)
+        fleet.start_agent("node-a", front_door=lambda: found)
+        fleet.serve({1, 2})
+        endpoints = sorted(fleet.endpoint(w) for w in (1, 2))
+        assert _listed(first) == endpoints
+        first.stop()
+        doors.append(fresh := start_front_door(tmp_path / "fresh", mode=None, env=env))
+        _wait(lambda: _listed(fresh) == endpoints)
+        resp = httpx.post(fresh.url + "/generate", timeout=30,
+                          json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4}})
+        assert resp.status_code == 200 and len(resp.json()["output_ids"]) == 4
+    finally:
+        for door in doors:
+            door.stop()
+        fleet.stop()
+
+
+def _listed(door) -> list[str]:
+    return sorted(w["url"] for w in door.client.state()["children"]["colocated"]["workers"])
+
+
 def _wait(check, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not check():

@@ -4,9 +4,12 @@ the capacity back. Real agents (threads) driving simulated servers, on a real Po
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,19 +27,44 @@ pytestmark = [pytest.mark.integration, pytest.mark.reliability]
 
 
 class RecordingFrontDoor:
-    """The front door's part the watch calls, recording what it was asked."""
+    """The front door's part the agent calls: what it lists (url -> role, bootstrap port), and what it was
+    asked. `up` False: it gives no answer to what it lists; `gate` cleared: a registration waits for it."""
 
     def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.listing: dict[str, tuple[str, int | None]] = {}
+        self.registered: list[str] = []
         self.deregistered: list[str] = []
+        self.up = True
+        self.gate = threading.Event()
+        self.gate.set()
+        self.waiting = 0  # registrations waiting at the gate
 
     def register(self, url: str, role: str, bootstrap_port: int | None = None) -> None:
-        return None
+        if not self.gate.is_set():
+            with self.lock:
+                self.waiting += 1
+            assert self.gate.wait(30)
+        with self.lock:
+            self.registered.append(url)
+            self.listing[url] = (Role(role).value, bootstrap_port)
 
     def deregister(self, url: str) -> None:
-        self.deregistered.append(url)
+        with self.lock:
+            self.deregistered.append(url)
+            self.listing.pop(url, None)
 
     def set_mode(self, mode: str) -> None:
         return None
+
+    def listed(self) -> set[tuple[str, Role]] | None:
+        with self.lock:
+            return {(url, Role(role)) for url, (role, _) in self.listing.items()} if self.up else None
+
+    def forget(self) -> None:
+        """Restarted without its state: it lists nothing."""
+        with self.lock:
+            self.listing.clear()
 
 
 def worker(engine: Engine, worker_id: int) -> dict:
@@ -177,6 +205,87 @@ def test_a_worker_a_step_is_at_work_on_is_not_out_of_service_for_the_watch(live:
     with transaction(live.engine) as s:  # the start deals with the server it finds
         assert crashes.out_of_service(s, "node-a", [1, 2]) == []
     live.drivers["node-a"].stop(2, grace_s=5.0)
+
+
+def test_the_watch_registers_again_the_serving_workers_a_restarted_front_door_does_not_list(
+        live: LiveFleet) -> None:
+    door = RecordingFrontDoor()
+    live.start_agent("node-a", crash_after_s=60.0, front_door=lambda: door)
+    plan_id = propose(live.engine, Target(frozenset({1, 2}), {Role.PREFILL: 1, Role.DECODE: 1}, reason="test"))
+    plan_store.apply(live.engine, plan_id)
+    live.wait_plan(plan_id, 60)
+    driver = live.drivers["node-a"]
+    servers = [driver.running(1), driver.running(2)]
+    wanted = {s.endpoint: (s.role.value, s.bootstrap_port) for s in servers}
+    assert door.listing == wanted and sorted(door.registered) == sorted(wanted)  # each admitted once
+    assert {r for r, _ in wanted.values()} == {"prefill", "decode"}
+    assert any(port is not None for _, port in wanted.values())  # the prefill server's bootstrap port
+
+    door.up = False  # a front door that gives no answer: nothing is registered around it
+    door.forget()
+    time.sleep(1.0)
+    assert len(door.registered) == 2
+    door.up = True  # it answers, listing nothing: the watch registers both again, as the driver has them
+    wait_for(lambda: door.listing == wanted, 30, "both workers registered again")
+    time.sleep(1.0)  # listed again: registered no more
+    assert sorted(door.registered) == sorted(2 * list(wanted)) and door.deregistered == []
+    assert worker(live.engine, 1)["activity"] == worker(live.engine, 2)["activity"] == "active"
+
+
+def test_no_step_of_a_worker_runs_while_the_watch_registers_it_again(live: LiveFleet) -> None:
+    """The agent holds a worker aside for the watch only while no step of it is in hand; a step claimed
+    meanwhile is handed back, and enacted once the worker is no longer aside."""
+    door = RecordingFrontDoor()
+    live.start_agent("node-a", crash_after_s=60.0, front_door=lambda: door)
+    agent = live.agents[0][0]
+    door.gate.clear()  # the admits wait: a step of each worker in hand
+    plan_id = propose(live.engine, Target(frozenset({1, 2}), {Role.COLOCATED: 2}, reason="test"))
+    plan_store.apply(live.engine, plan_id)
+    wait_for(lambda: door.waiting == 2, 60, "both admits in hand")
+    with agent._held_aside(1) as held, agent._held_aside(2) as held_too:
+        assert not held and not held_too
+    door.gate.set()
+    live.wait_plan(plan_id, 60)
+    endpoint = live.endpoint(2)
+
+    with agent._held_aside(2) as held:  # as the watch does while it registers worker 2 again
+        assert held
+        plan_id = propose(live.engine, Target(frozenset({1}), {Role.COLOCATED: 1}, reason="test"))
+        plan_store.apply(live.engine, plan_id)  # worker 2 leaves service: its drain must wait
+        wait_for(lambda: _handed_back(live, 2), 30, "the drain of worker 2 claimed and handed back")
+        assert worker(live.engine, 2)["activity"] == "active" and endpoint in door.listing
+    live.wait_plan(plan_id, 60)
+    assert worker(live.engine, 2)["activity"] == "inactive"
+    assert door.deregistered == [endpoint] and endpoint not in door.listing
+
+
+def test_a_worker_that_left_serving_before_it_was_held_aside_is_not_registered_again(live: LiveFleet) -> None:
+    door = RecordingFrontDoor()
+    live.start_agent("node-a", crash_after_s=60.0, front_door=lambda: door)
+    live.serve({1, 2})
+    door.forget()
+    seen = {s.worker_id: s for s in _serving(live)}
+    for agent, thread in live.agents:  # the watch below is the only one
+        agent.stop()
+        thread.join(30)
+    live.agents.clear()
+
+    @contextlib.contextmanager
+    def a_drain_came_and_went(worker_id: int) -> Iterator[bool]:  # between the listing and the hold
+        with transaction(live.engine) as s:
+            crashes.mark_crashed(s, seen[worker_id])
+        yield True
+
+    watch = ServerWatch(live.engine, "node-a", live.drivers["node-a"], lambda ep: True, lambda: door,
+                        crash_after_s=60.0, aside=a_drain_came_and_went)
+    assert watch.register_missing() == [] and door.listing == {}
+    assert worker(live.engine, 1)["activity"] == "inactive"
+
+
+def _handed_back(live: LiveFleet, worker_id: int) -> bool:
+    with transaction(live.engine) as s:
+        return bool(s.scalar(text("SELECT count(*) FROM plan_steps WHERE worker_id = :w AND action = 'drain' "
+                                  "AND status = 'ready' AND error = 'handed back by its agent'"), {"w": worker_id}))
 
 
 def _alive(pid: int) -> bool:
