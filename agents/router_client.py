@@ -33,7 +33,7 @@ class FrontDoorClient(HTTPClient):
                 message = resp.json()["error"]["message"]
             except (ValueError, KeyError, TypeError):
                 message = resp.text.strip()
-            raise DriverError(f"front door {self.url}{path}: {resp.status_code}: {message}")
+            raise DriverError(f"front door {self.url}{path}: {resp.status_code}: {message}", status=resp.status_code)
         return resp.json()
 
     def register(self, url: str, role: Role | str, bootstrap_port: int | None = None) -> dict[str, Any]:

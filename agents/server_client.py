@@ -83,7 +83,7 @@ class ServerClient(HTTPClient):
         except httpx.HTTPError as exc:
             raise DriverError(f"{self.endpoint}{path}: no answer ({type(exc).__name__}: {exc})") from None
         if resp.status_code not in ok:
-            raise DriverError(f"{self.endpoint}{path}: {resp.status_code}: {_message(resp)}")
+            raise DriverError(f"{self.endpoint}{path}: {resp.status_code}: {_message(resp)}", status=resp.status_code)
         return resp
 
     def _json(self, resp: httpx.Response) -> dict[str, Any]:

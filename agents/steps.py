@@ -219,7 +219,7 @@ def interrupt(ctx: StepContext) -> None:
 
 def _fenced_out(exc: DriverError) -> bool:
     """The server refused the command's fencing token: a newer claim commands it now."""
-    return ": 409" in str(exc)
+    return exc.status == 409
 
 
 def _interrupted(ctx: StepContext, api: ServerAPI) -> bool:

@@ -69,8 +69,7 @@ def _check_files(job: rows.SyncJob) -> None:
 
 def _refusal(exc: DriverError) -> bool:
     """The server answered and refused (4xx other than a fence conflict): retrying will not help."""
-    text = str(exc)
-    return any(f": {code}: " in text for code in (400, 404, 422))
+    return exc.status in (400, 404, 422)
 
 
 def bring_to_version(api: Any, job: rows.SyncJob, load: Callable[[Any, rows.SyncJob], str] | None = None) -> str:

@@ -120,7 +120,7 @@ class FakeClient:
             raise DriverError(f"{self.endpoint} does not answer")
         if fence is not None:
             if fence < s.fence:
-                raise DriverError(f"{self.endpoint}: 409 stale fence {fence} < {s.fence}")
+                raise DriverError(f"{self.endpoint}: 409 stale fence {fence} < {s.fence}", status=409)
             s.fence = fence
         if command:
             s.commands.append(command)

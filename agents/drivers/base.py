@@ -35,6 +35,10 @@ FENCE_HEADER = "X-Pearl-Fence"  # the fencing token of the step that sends a com
 class DriverError(PearlError):
     """The server could not be driven (it did not start, died, or refused a command)."""
 
+    def __init__(self, message: str | None = None, *, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status  # the HTTP status a server refused the command with; None: no answer
+
 
 @dataclass(frozen=True)
 class WeightsRef:

@@ -135,8 +135,9 @@ def test_older_fences_are_refused_and_change_nothing(driver):
         ServerClient(server.endpoint, fence=6).pd_role_switch("decode")
     assert ServerClient(server.endpoint).model_info()["disaggregation_mode"] == "prefill"
     ServerClient(server.endpoint, fence=8).pd_role_switch("decode")
-    with pytest.raises(DriverError, match="409"):
+    with pytest.raises(DriverError, match="409") as refused:
         ServerClient(server.endpoint, fence=7).pause_generation()
+    assert refused.value.status == 409  # what a step reads to know a newer claim commands the server
     assert ServerClient(server.endpoint).model_info()["disaggregation_mode"] == "decode"
 
 

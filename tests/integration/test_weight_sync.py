@@ -147,6 +147,7 @@ def test_a_corrupted_snapshot_is_refused_naming_the_tensor_and_the_server_keeps_
     row = wait_for(lambda: next((r for r in sync_rows(live.engine) if r["version"] == 2 and r["state"] == "failed"),
                                 None), 30, "the sync of version 2 failed")
     assert "tensor lm_head.weight: checksum mismatch" in row["error"] and "kept version 1" in row["error"]
+    assert row["attempts"] == 1  # the server's 4xx is a refusal: not tried again
     assert live.versions() == {1: 1}
     assert live.served(1)["version"] == "1" and live.served(1)["paused"] is None
 
