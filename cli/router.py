@@ -96,14 +96,32 @@ def _register_when_listening(engine: object, cfg: object, timeout_s: float = 120
 @router_app.command("state")
 @handle_errors
 def state(
-    url: Annotated[str, typer.Option(help="The front door.")] = "http://127.0.0.1:30000",
+    url: Annotated[str | None, typer.Option(
+        help="The front door (default: the fleet's, found in pearl's database, and compared with its rows).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
-    """The front door's mode and the workers each router lists."""
+    """The front door's mode and the workers each router lists; for the fleet's front door, also the
+    serving workers no router lists (the node agents register them again within a watch pass) and the
+    workers listed that do not serve."""
     from pearl.agents.router_client import FrontDoorClient
 
+    engine = None
+    if url is None:
+        from pearl.controlplane.store.db import make_engine, require_schema
+        from pearl.controlplane.store.routers import front_door
+
+        engine = make_engine()
+        require_schema(engine)
+        found = front_door(engine)
+        if found is None:
+            raise PearlError("no front door is recorded in pearl's database (is `pearlctl router serve` "
+                             "running with --register?); name one with --url")
+        url = found[0]
     with FrontDoorClient(url) as client:
         st = client.state()
+    if engine is not None:
+        st["rows"] = _compared_with_rows(engine, st)
+        engine.dispose()
     if as_json:
         emit_json(st)
         return
@@ -111,6 +129,31 @@ def state(
     for mode, child in st["children"].items():
         workers = ", ".join(f"{w['url']} ({w['worker_type']})" for w in child["workers"]) or "none"
         out.print(f"  {mode} router {child['url']} (pid {child['pid']}): {workers}")
+    rows = st.get("rows")
+    if rows is None:
+        return
+    if rows["listed"] is None:
+        out.print("  a router could not say what it lists: not compared with the rows")
+    elif not rows["missing"] and not rows["not_serving"]:
+        out.print("  lists every serving worker of the rows, and no other")
+    for w in rows["missing"] or []:
+        out.print(f"  not listed: worker {w['worker_id']} at {w['endpoint']} ({w['role']}), serving in the rows")
+    for listed_url in rows["not_serving"] or []:
+        out.print(f"  listed but serving no worker in the rows: {listed_url}")
+
+
+def _compared_with_rows(engine: object, st: dict) -> dict:
+    from pearl.agents.router_client import listed_workers
+    from pearl.controlplane.core.routing import routing_drift
+    from pearl.controlplane.store.routers import serving_workers
+
+    listed = listed_workers(st)
+    if listed is None:
+        return {"listed": None, "missing": None, "not_serving": None}
+    missing, unknown = routing_drift(listed, serving_workers(engine))  # type: ignore[arg-type]
+    return {"listed": len(listed),
+            "missing": [{"worker_id": w, "endpoint": e, "role": r.value} for w, e, r in missing],
+            "not_serving": unknown}
 
 
 if __name__ == "__main__":  # `python -m pearl.cli.router serve ...` is `pearlctl router serve ...`, faster to start

@@ -14,5 +14,16 @@ from pearl.controlplane.core.domain import Role
 
 WORKER_TYPE = {Role.COLOCATED: "regular", Role.PREFILL: "prefill", Role.DECODE: "decode"}  # sglang-router's names
 
+
+def routing_drift(listed: set[tuple[str, Role]], serving: list[tuple[int, str, Role]]
+                  ) -> tuple[list[tuple[int, str, Role]], list[str]]:
+    """Where the routers and the rows disagree: the serving workers (id, endpoint, role) that no router
+    lists under their role, and the URLs the routers list that no serving worker has."""
+    missing = [w for w in serving if (w[1], w[2]) not in listed]
+    endpoints = {endpoint for _, endpoint, _ in serving}
+    unknown = sorted({url for url, _ in listed if url not in endpoints})
+    return missing, unknown
+
+
 REBALANCE_MIN_EXTRA = 2  # live trajectories more than the least loaded worker, at least
 REBALANCE_RATIO = 1.5  # and this many times as many

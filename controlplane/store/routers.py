@@ -4,8 +4,9 @@ here when it starts and says so when it stops; agents find it by `front_door`.""
 
 from __future__ import annotations
 
+from pearl.controlplane.core.domain import Activity, Role
 from pearl.controlplane.store.db import transaction
-from pearl.controlplane.store.schema import Router
+from pearl.controlplane.store.schema import Router, Worker
 from sqlalchemy import Engine, func, select, update
 from sqlalchemy.dialects.postgresql import insert
 
@@ -40,3 +41,12 @@ def recorded_mode(engine: Engine, name: str = DEFAULT) -> str | None:
     """The mode recorded for the front door (the last router_sync, or what it served); None if none."""
     with transaction(engine) as session:
         return session.scalar(select(Router.mode).where(Router.name == name))
+
+
+def serving_workers(engine: Engine) -> list[tuple[int, str, Role]]:
+    """The workers the routers should list: active, with a server, as (id, endpoint, role)."""
+    with transaction(engine) as session:
+        rows = session.execute(select(Worker.id, Worker.endpoint, Worker.role)
+                               .where(Worker.activity == Activity.ACTIVE, Worker.endpoint.is_not(None))
+                               .order_by(Worker.id))
+        return [(int(i), str(e), Role(r)) for i, e, r in rows]

@@ -221,8 +221,9 @@ def test_a_restarted_front_door_serves_the_mode_it_restored_or_the_one_recorded_
 
 
 def test_a_front_door_restarted_on_an_empty_run_directory_serves_the_fleets_workers_again(
-        db_engine, database_url, broker_url, tmp_path, pearlctl_env):
-    """Its state.json lost: the node agent's watch registers its serving workers again from the rows."""
+        db_engine, database_url, broker_url, tmp_path, pearlctl_env, pearlctl):
+    """Its state.json lost: the node agent's watch registers its serving workers again from the rows;
+    `pearlctl router state` finds the fleet's front door and names the workers it does not list."""
     from pearl.agents.router_client import FleetFrontDoor
     from weights_support import bring_up
 
@@ -235,10 +236,19 @@ def test_a_front_door_restarted_on_an_empty_run_directory_serves_the_fleets_work
         fleet.start_agent("node-a", front_door=lambda: found)
         fleet.serve({1, 2})
         endpoints = sorted(fleet.endpoint(w) for w in (1, 2))
-        assert _listed(first) == endpoints
+        assert _listed(first) == endpoints and _drift(pearlctl) == ([], [])
+        agent, thread = fleet.agents.pop()  # no watch while the front door comes back
+        agent.stop()
+        thread.join(30)
         first.stop()
         doors.append(fresh := start_front_door(tmp_path / "fresh", mode=None, env=env))
+        missing, not_serving = _drift(pearlctl)
+        assert sorted(w["endpoint"] for w in missing) == endpoints and not_serving == []
+        shown = pearlctl("router", "state")
+        assert shown.returncode == 0 and f"not listed: worker 1 at {fleet.endpoint(1)} (colocated)" in shown.stdout
+        fleet.start_agent("node-a", front_door=lambda: found)  # the next agent's watch registers them again
         _wait(lambda: _listed(fresh) == endpoints)
+        assert _drift(pearlctl) == ([], [])
         resp = httpx.post(fresh.url + "/generate", timeout=30,
                           json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4}})
         assert resp.status_code == 200 and len(resp.json()["output_ids"]) == 4
@@ -246,6 +256,15 @@ def test_a_front_door_restarted_on_an_empty_run_directory_serves_the_fleets_work
         for door in doors:
             door.stop()
         fleet.stop()
+
+
+def _drift(pearlctl) -> tuple[list, list]:
+    import json
+
+    result = pearlctl("router", "state", "--json")
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(result.stdout)["rows"]
+    return rows["missing"], rows["not_serving"]
 
 
 def _listed(door) -> list[str]:
