@@ -63,6 +63,7 @@ class AgentConfig:
     grace_s: float = 20.0  # SIGTERM: how long the steps in hand may take before they are handed back
     watch_s: float = 2.0  # how often the servers of active workers are looked at
     crash_after_s: float = 10.0  # a server gone (no process, no answer) this long has crashed
+    relist_s: float = 30.0  # how often the front door is asked what it lists (and at each new start of it)
     timeouts: Timeouts = field(default_factory=Timeouts)
 
 
@@ -81,7 +82,7 @@ class Agent:
         self._plan_changed = threading.Event()
         self._lock = threading.Lock()
         self._in_hand: dict[int, StepContext] = {}  # step id -> its context
-        self._aside: set[int] = set()  # workers the server watch works on: no step of theirs meanwhile
+        self._aside: dict[int, int] = {}  # workers held aside (how many holds): no step of theirs meanwhile
         self._claim_after = 0.0  # a step handed back for a busy worker: no claim before this (no hot loop)
         self._pool = ThreadPoolExecutor(max_workers=config.max_steps, thread_name_prefix=f"step-{config.node}")
 
@@ -272,26 +273,33 @@ class Agent:
         with self._lock:
             held = not any(c.step["worker_id"] == worker_id for c in self._in_hand.values())
             if held:
-                self._aside.add(worker_id)
+                self._aside[worker_id] = self._aside.get(worker_id, 0) + 1
         try:
             yield held
         finally:
             if held:
                 with self._lock:
-                    self._aside.discard(worker_id)
+                    self._aside[worker_id] -= 1
+                    if not self._aside[worker_id]:
+                        del self._aside[worker_id]
 
     def _watch(self) -> None:
         c = self.config
         watch = ServerWatch(self.engine, c.node, self.driver, self._health, self.front_door, c.crash_after_s,
-                            aside=self._held_aside)
-        while not self._stop.wait(c.watch_s):
-            try:
-                if watch.check():
-                    self._wake.set()
-                watch.stop_leftovers()
-                watch.register_missing()
-            except Exception as exc:  # the database may be away a while: look again next time
-                log.warning("watching the servers: %s", exc, extra={"action": "watch_failed"})
+                            aside=self._held_aside, relist_s=c.relist_s)
+        threading.Thread(target=self._every, args=(watch.register_missing,), name=f"relist-{c.node}",
+                         daemon=True).start()
+        self._every(watch.check, watch.stop_leftovers)
+
+    def _every(self, *passes: Callable[[], list[int]]) -> None:
+        """Run each pass every `watch_s` until the agent stops; one that fails does not stop the others."""
+        while not self._stop.wait(self.config.watch_s):
+            for one in passes:
+                try:
+                    if one():
+                        self._wake.set()
+                except Exception as exc:  # the database may be away a while: look again next time
+                    log.warning("%s: %s", one.__name__, exc, extra={"action": "watch_failed"})
 
     # -- wake-ups -------------------------------------------------------------------------------
 

@@ -83,7 +83,7 @@ class FleetFrontDoor:
     def __init__(self, engine: Any, wait_s: float = 30.0, poll_s: float = 0.5) -> None:
         self.engine, self.wait_s, self.poll_s = engine, wait_s, poll_s
 
-    def live(self, wait: bool) -> FrontDoorClient | None:
+    def live(self, wait: bool, timeout_s: float = 60.0) -> FrontDoorClient | None:
         """A client of the live front door; None when the fleet has none, or (not waiting) it is stopped."""
         from pearl.controlplane.store.routers import front_door
 
@@ -92,9 +92,8 @@ class FleetFrontDoor:
             found = front_door(self.engine)
             if found is None:
                 return None
-            url, running = found
-            if running:
-                return FrontDoorClient(url)
+            if found.running:
+                return FrontDoorClient(found.admin_url, timeout_s)
             if time.monotonic() >= deadline:
                 if wait:
                     raise DriverError(f"the front door is stopped (restarting?) and did not come back within "
@@ -102,8 +101,8 @@ class FleetFrontDoor:
                 return None
             time.sleep(self.poll_s)
 
-    def _call(self, wait: bool, method: str, *args: Any) -> Any:
-        client = self.live(wait)
+    def _call(self, wait: bool, method: str, *args: Any, timeout_s: float = 60.0) -> Any:
+        client = self.live(wait, timeout_s)
         if client is None:
             return None
         try:
@@ -120,11 +119,18 @@ class FleetFrontDoor:
     def deregister(self, url: str) -> Any:
         return self._call(False, "deregister", url)
 
-    def listed(self) -> set[tuple[str, Role]] | None:
+    def started(self) -> Any:
+        """Which start of the front door runs now (a restarted one has a new one); None when none runs."""
+        from pearl.controlplane.store.routers import front_door
+
+        found = front_door(self.engine)
+        return found.started_at if found is not None and found.running else None
+
+    def listed(self, timeout_s: float = 5.0) -> set[tuple[str, Role]] | None:
         """The workers the live front door lists, as (url, role), asked once without waiting; None when
-        the fleet has none, it is stopped, or it gives no clear answer."""
+        the fleet has none, it is stopped, or it gives no clear answer within `timeout_s`."""
         try:
-            state = self._call(False, "state")
+            state = self._call(False, "state", timeout_s=timeout_s)
         except DriverError:
             return None
         return None if state is None else listed_workers(state)

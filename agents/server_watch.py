@@ -18,20 +18,27 @@ start that failed after its launch. Each is taken off the front door, then stopp
 still the process seen: a start arriving meanwhile replaces it (its generation moved on) and its new
 server is never touched. No database lock is held across the stop.
 
-And each pass registers again with the front door the serving workers it does not list, as a front
-door restarted without its run directory comes back with none: the workers whose server the driver
-runs at the endpoint the rows have and that answer `/health`, with the role and bootstrap port the
-driver recorded. The front door is asked what it lists once a pass, without waiting for it. A step
-must never run beside such a registration (a drain could be undone by it), so the agent holds the
-worker aside meanwhile (`aside`): not while a step of it is in hand, and a step claimed for it
-meanwhile is handed back. Once aside, the rows are read again: a step that came and went (a drain)
-has taken the worker out of `serving`, and it is left alone.
+And it registers again with the front door the serving workers it does not list, as a front door
+restarted without its run directory comes back with none (`register_missing`, on a thread of its
+own so that a slow front door never delays finding a crash). The front door is asked what it lists
+(one call, a short timeout, never waiting for a stopped one) whenever a new start of it runs, and
+every `relist_s` (jittered) besides: every agent asking it every pass would load the process that
+also serves the requests. The rows are read first, the list second, so a worker admitted in
+between is not taken for a missing one. A worker is registered again when the driver runs its
+server at the endpoint in the rows and that server answers `/health`, with the role and bootstrap
+port the driver recorded. A step must never run beside such a registration (a drain could be
+undone by it), so the agent holds the worker aside meanwhile (`aside`): not while a step of it is
+in hand, and a step claimed for it meanwhile is handed back. Once aside, the rows are read again: a
+step that came and went (a drain) has taken the worker out of `serving`, and it is left alone. And
+once registered, a worker that left service meanwhile by another way (a notice enforced at its
+deadline) is taken off the front door again.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import random
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -54,13 +61,17 @@ class ServerWatch:
     def __init__(self, engine: Any, node: str, driver: Driver, health: Callable[[str], bool],
                  front_door: Callable[[], FrontDoorAPI], crash_after_s: float,
                  clock: Callable[[], float] = time.monotonic,
-                 aside: Callable[[int], contextlib.AbstractContextManager[bool]] = always_aside) -> None:
+                 aside: Callable[[int], contextlib.AbstractContextManager[bool]] = always_aside,
+                 relist_s: float = 30.0) -> None:
         self.engine, self.node, self.driver = engine, node, driver
         self.health, self.front_door = health, front_door
         self.crash_after_s = crash_after_s
         self.clock = clock
         self.aside = aside
+        self.relist_s = relist_s
         self.down_since: dict[crashes.Serving, float] = {}
+        self.door_seen: Any = None  # the start of the front door last asked what it lists
+        self.next_relist = 0.0
 
     def down(self, seen: crashes.Serving) -> bool:
         if self.driver.running(seen.worker_id) is not None:
@@ -109,20 +120,22 @@ class ServerWatch:
             log.error("%s: worker %s out of service, its GPUs free", reason, seen.worker_id,
                       extra={"action": "server_crashed"})
             crashed.append(seen.worker_id)
-            try:
-                self.front_door().deregister(seen.endpoint)
-            except Exception as exc:  # the front door drops a dead server by itself too; the rows are done
-                log.warning("front door: could not deregister %s: %s", seen.endpoint, exc)
+            self._deregister(seen.endpoint)
         return crashed
 
     def register_missing(self) -> list[int]:
         """Register again the serving workers the front door does not list (module docstring); the workers."""
         door = self.front_door()
-        listed = door.listed()
-        if listed is None:
+        started = door.started()
+        now = self.clock()
+        if started is None or (started == self.door_seen and now < self.next_relist):
             return []
         with transaction(self.engine) as session:
             watched = crashes.serving(session, self.node)
+        listed = door.listed()
+        if listed is None:  # stopped, or no clear answer: ask again next pass
+            return []
+        self.door_seen, self.next_relist = started, now + self.relist_s * random.uniform(0.8, 1.2)
         registered = []
         for seen in watched:
             server = self.driver.running(seen.worker_id)
@@ -141,8 +154,20 @@ class ServerWatch:
                 except DriverError as exc:  # the next pass tries again
                     log.warning("front door: could not register worker %d at %s again: %s", seen.worker_id,
                                 server.endpoint, exc)
+                    self.next_relist = now
+                    continue
+                with transaction(self.engine) as session:
+                    still = crashes.still_active(session, seen)
+                if not still:
+                    self._deregister(seen.endpoint)
                     continue
             log.warning("the front door did not list worker %d at %s (restarted?): registered it again as %s",
                         seen.worker_id, server.endpoint, server.role.value, extra={"action": "register_again"})
             registered.append(seen.worker_id)
         return registered
+
+    def _deregister(self, endpoint: str) -> None:
+        try:
+            self.front_door().deregister(endpoint)
+        except Exception as exc:  # the front door drops a dead server by itself too; the rows are done
+            log.warning("front door: could not deregister %s: %s", endpoint, exc)

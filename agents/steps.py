@@ -75,6 +75,7 @@ class FrontDoorAPI(Protocol):
     def register(self, url: str, role: str, bootstrap_port: int | None = None) -> Any: ...
     def deregister(self, url: str) -> Any: ...
     def set_mode(self, mode: str) -> None: ...
+    def started(self) -> Any: ...
     def listed(self) -> set[tuple[str, Role]] | None: ...
 
 
@@ -88,6 +89,9 @@ class NoFrontDoor:
         return None
 
     def set_mode(self, mode: str) -> None:
+        return None
+
+    def started(self) -> None:
         return None
 
     def listed(self) -> None:

@@ -101,8 +101,8 @@ def state(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """The front door's mode and the workers each router lists; for the fleet's front door, also the
-    serving workers no router lists (the node agents register them again within a watch pass) and the
-    workers listed that do not serve."""
+    serving workers no router lists (the node agents' watches register them again) and the workers
+    listed that do not serve."""
     from pearl.agents.router_client import FrontDoorClient
 
     engine = None
@@ -111,17 +111,24 @@ def state(
         from pearl.controlplane.store.routers import front_door
 
         engine = make_engine()
-        require_schema(engine)
-        found = front_door(engine)
-        if found is None:
-            raise PearlError("no front door is recorded in pearl's database (is `pearlctl router serve` "
-                             "running with --register?); name one with --url")
-        url = found[0]
-    with FrontDoorClient(url) as client:
-        st = client.state()
-    if engine is not None:
-        st["rows"] = _compared_with_rows(engine, st)
-        engine.dispose()
+    try:
+        if engine is not None:
+            require_schema(engine)
+            found = front_door(engine)
+            if found is None:
+                raise PearlError("no front door is recorded in pearl's database (is `pearlctl router serve` "
+                                 "running with --register?); name one with --url")
+            if not found.running:
+                raise PearlError(f"the fleet's front door ({found.admin_url}) is stopped: restarting, or stopped "
+                                 f"on purpose; name another with --url")
+            url = found.admin_url
+        with FrontDoorClient(url) as client:
+            st = client.state()
+        if engine is not None:
+            st["rows"] = _compared_with_rows(engine, st)
+    finally:
+        if engine is not None:
+            engine.dispose()
     if as_json:
         emit_json(st)
         return

@@ -86,3 +86,11 @@ def out_of_service(session: Session, node: str, worker_ids: list[int]) -> list[i
     if not worker_ids:
         return []
     return list(session.scalars(_out_of_service(node).where(Worker.id.in_(worker_ids)).order_by(Worker.id)))
+
+
+def still_active(session: Session, seen: Serving) -> bool:
+    """The worker is still in service at the endpoint and generation seen (a weight sync or a step
+    may be at work on it)."""
+    return session.scalar(select(Worker.id).where(
+        Worker.id == seen.worker_id, Worker.activity == Activity.ACTIVE, Worker.endpoint == seen.endpoint,
+        Worker.generation == seen.generation)) is not None

@@ -4,6 +4,9 @@ here when it starts and says so when it stops; agents find it by `front_door`.""
 
 from __future__ import annotations
 
+from datetime import datetime
+from typing import NamedTuple
+
 from pearl.controlplane.core.domain import Activity, Role
 from pearl.controlplane.store.db import transaction
 from pearl.controlplane.store.schema import Router, Worker
@@ -28,13 +31,18 @@ def router_stopped(engine: Engine, *, pid: int, name: str = DEFAULT) -> None:
                         .values(stopped_at=func.pearl_now()))
 
 
-def front_door(engine: Engine, name: str = DEFAULT) -> tuple[str, bool] | None:
-    """The front door's admin URL and whether it runs (a stopped one is restarting, or gone on
-    purpose); None when the fleet never registered one."""
+class FrontDoorRow(NamedTuple):
+    admin_url: str
+    running: bool  # a stopped one is restarting, or gone on purpose
+    started_at: datetime  # which start of it: a restarted front door has a new one
+
+
+def front_door(engine: Engine, name: str = DEFAULT) -> FrontDoorRow | None:
+    """The fleet's front door as its row has it; None when the fleet never registered one."""
     with transaction(engine) as session:
-        row = session.execute(select(Router.admin_url, Router.stopped_at.is_(None))
+        row = session.execute(select(Router.admin_url, Router.stopped_at.is_(None), Router.started_at)
                               .where(Router.name == name)).first()
-    return (row[0], bool(row[1])) if row is not None else None
+    return FrontDoorRow(row[0], bool(row[1]), row[2]) if row is not None else None
 
 
 def recorded_mode(engine: Engine, name: str = DEFAULT) -> str | None:

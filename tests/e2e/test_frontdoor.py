@@ -241,7 +241,11 @@ def test_a_front_door_restarted_on_an_empty_run_directory_serves_the_fleets_work
         agent.stop()
         thread.join(30)
         first.stop()
+        stopped = pearlctl("router", "state")
+        assert stopped.returncode == 1 and "front door" in stopped.stderr and "is stopped" in stopped.stderr
         doors.append(fresh := start_front_door(tmp_path / "fresh", mode=None, env=env))
+        _wait(lambda: (found.started() is not None and
+                       pearlctl("router", "state", "--json").stdout.startswith('{"url": "' + fresh.url)))
         missing, not_serving = _drift(pearlctl)
         assert sorted(w["endpoint"] for w in missing) == endpoints and not_serving == []
         shown = pearlctl("router", "state")

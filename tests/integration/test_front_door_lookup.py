@@ -54,3 +54,21 @@ def test_a_stopped_front_door_is_waited_for_before_a_registration_not_before_a_d
     back.join()
     assert isinstance(client, FrontDoorClient) and client.url == "http://127.0.0.1:18011"
     client.close()
+
+
+def test_a_new_start_of_the_front_door_is_told_apart_and_pearlctl_router_state_names_what_it_cannot_reach(
+        db_engine: Engine, pearlctl) -> None:
+    door = FleetFrontDoor(db_engine)
+    none = pearlctl("router", "state")
+    assert none.returncode == 1 and "no front door is recorded" in none.stderr and none.stdout == ""
+    assert door.started() is None and door.listed() is None
+    _register(db_engine, pid=11, port=40010)
+    first = door.started()
+    assert first is not None
+    assert door.listed(timeout_s=1) is None  # recorded as running, but nothing answers there
+    router_stopped(db_engine, pid=11)
+    assert door.started() is None
+    stopped = pearlctl("router", "state", "--json")
+    assert stopped.returncode == 1 and "is stopped" in stopped.stderr and '"error"' in stopped.stdout
+    _register(db_engine, pid=12, port=40010)  # started again: a start of its own
+    assert door.started() not in (None, first)

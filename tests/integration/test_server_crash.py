@@ -39,6 +39,8 @@ class RecordingFrontDoor:
         self.gate = threading.Event()
         self.gate.set()
         self.waiting = 0  # registrations waiting at the gate
+        self.start = 1  # which start of it runs
+        self.asked = 0  # how many times it was asked what it lists
 
     def register(self, url: str, role: str, bootstrap_port: int | None = None) -> None:
         if not self.gate.is_set():
@@ -57,14 +59,19 @@ class RecordingFrontDoor:
     def set_mode(self, mode: str) -> None:
         return None
 
+    def started(self) -> int:
+        return self.start
+
     def listed(self) -> set[tuple[str, Role]] | None:
         with self.lock:
+            self.asked += 1
             return {(url, Role(role)) for url, (role, _) in self.listing.items()} if self.up else None
 
     def forget(self) -> None:
-        """Restarted without its state: it lists nothing."""
+        """Restarted without its state: a new start of it, listing nothing."""
         with self.lock:
             self.listing.clear()
+            self.start += 1
 
 
 def worker(engine: Engine, worker_id: int) -> dict:
@@ -247,6 +254,7 @@ def test_no_step_of_a_worker_runs_while_the_watch_registers_it_again(live: LiveF
     door.gate.set()
     live.wait_plan(plan_id, 60)
     endpoint = live.endpoint(2)
+    wait_for(lambda: not agent._in_hand, 30, "the admits reported")
 
     with agent._held_aside(2) as held:  # as the watch does while it registers worker 2 again
         assert held
@@ -259,27 +267,60 @@ def test_no_step_of_a_worker_runs_while_the_watch_registers_it_again(live: LiveF
     assert door.deregistered == [endpoint] and endpoint not in door.listing
 
 
-def test_a_worker_that_left_serving_before_it_was_held_aside_is_not_registered_again(live: LiveFleet) -> None:
+def test_a_worker_that_left_service_around_its_registration_is_not_left_on_the_front_door(live: LiveFleet) -> None:
     door = RecordingFrontDoor()
     live.start_agent("node-a", crash_after_s=60.0, front_door=lambda: door)
     live.serve({1, 2})
-    door.forget()
     seen = {s.worker_id: s for s in _serving(live)}
-    for agent, thread in live.agents:  # the watch below is the only one
+    for agent, thread in live.agents:  # the watches below are the only ones
         agent.stop()
         thread.join(30)
     live.agents.clear()
+    door.forget()
 
     @contextlib.contextmanager
     def a_drain_came_and_went(worker_id: int) -> Iterator[bool]:  # between the listing and the hold
-        with transaction(live.engine) as s:
-            crashes.mark_crashed(s, seen[worker_id])
+        if worker_id == 1:
+            with transaction(live.engine) as s:
+                assert crashes.mark_crashed(s, seen[1])
         yield True
 
+    class OutOfServiceWhileRegistering(RecordingFrontDoor):  # a notice enforced at its deadline, say
+        def register(self, url: str, role: str, bootstrap_port: int | None = None) -> None:
+            super().register(url, role, bootstrap_port)
+            with transaction(live.engine) as s:
+                assert crashes.mark_crashed(s, seen[2])
+
+    door = OutOfServiceWhileRegistering()
     watch = ServerWatch(live.engine, "node-a", live.drivers["node-a"], lambda ep: True, lambda: door,
                         crash_after_s=60.0, aside=a_drain_came_and_went)
-    assert watch.register_missing() == [] and door.listing == {}
-    assert worker(live.engine, 1)["activity"] == "inactive"
+    assert watch.register_missing() == []
+    assert door.registered == [seen[2].endpoint] and door.deregistered == [seen[2].endpoint]
+    assert door.listing == {}  # worker 1 never registered, worker 2 taken off again
+    assert worker(live.engine, 1)["activity"] == worker(live.engine, 2)["activity"] == "inactive"
+
+
+def test_the_front_door_is_asked_what_it_lists_at_each_new_start_and_every_relist_s(live: LiveFleet) -> None:
+    door = RecordingFrontDoor()
+    live.start_agent("node-a", crash_after_s=60.0, front_door=lambda: door)
+    live.serve({1, 2})
+    for agent, thread in live.agents:
+        agent.stop()
+        thread.join(30)
+    live.agents.clear()
+    clock = [0.0]
+    watch = ServerWatch(live.engine, "node-a", live.drivers["node-a"], lambda ep: True, lambda: door,
+                        crash_after_s=60.0, clock=lambda: clock[0], relist_s=30.0)
+    door.asked = 0
+    assert watch.register_missing() == [] and door.asked == 1  # the first look
+    for clock[0] in (2.0, 10.0, 20.0):
+        assert watch.register_missing() == []
+    assert door.asked == 1  # listed, and the same start of it: not asked again within relist_s
+    door.forget()  # restarted: asked at once, and both registered again
+    clock[0] = 22.0
+    assert watch.register_missing() == [1, 2] and door.asked == 2
+    clock[0] = 60.0  # past relist_s (jittered by at most a fifth): asked again
+    assert watch.register_missing() == [] and door.asked == 3
 
 
 def _handed_back(live: LiveFleet, worker_id: int) -> bool:
