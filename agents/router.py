@@ -26,7 +26,9 @@ workers that answer `/health`. One restarted without it lists none: the node age
 serving workers again (agents/server_watch.py).
 
 Processes: the children are started with the parent-death signal set (Linux), so they never outlive
-the front door, even after a SIGKILL; SIGTERM stops them by PID (SIGTERM, then SIGKILL) and exits.
+the front door, even after a SIGKILL; SIGTERM stops them by PID (SIGTERM, then SIGKILL) and exits. A
+child that exits on its own (killed, crashed) is started again on new ports and given back its
+workers; the requests it dropped are resubmitted.
 """
 
 from __future__ import annotations
@@ -164,17 +166,60 @@ class FrontDoor:
             child.start(self.cfg)
         deadline = time.monotonic() + 60
         for child in self.children.values():
-            while True:
-                if child.proc.poll() is not None:
-                    raise RuntimeError(f"router {child.mode} exited ({child.proc.returncode}); see {child.log_path}")
-                with contextlib.suppress(aiohttp.ClientError, OSError, asyncio.TimeoutError):
-                    async with self.session.get(child.url + "/workers") as resp:
-                        if resp.status == 200:
-                            break
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"router {child.mode} did not answer in 60 s; see {child.log_path}")
-                await asyncio.sleep(0.2)
+            await self._answering(child, deadline)
         await self._restore()
+
+    async def _answering(self, child: Child, deadline: float) -> None:
+        """Wait until a started child answers."""
+        while True:
+            if child.proc.poll() is not None:
+                raise RuntimeError(f"router {child.mode} exited ({child.proc.returncode}); see {child.log_path}")
+            with contextlib.suppress(aiohttp.ClientError, OSError, asyncio.TimeoutError):
+                async with self.session.get(child.url + "/workers") as resp:
+                    if resp.status == 200:
+                        return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"router {child.mode} did not answer in 60 s; see {child.log_path}")
+            await asyncio.sleep(0.2)
+
+    async def supervise(self, stop: asyncio.Event, every_s: float = 0.5) -> None:
+        """Until `stop`: a child router that exited (killed, crashed) is started again, on new ports, and
+        given back the workers it had. A request sent to it meanwhile got no answer, which is retried
+        (`_generate`), so none fails for it."""
+        failures = {mode: 0 for mode in self.children}
+        next_try = {mode: 0.0 for mode in self.children}
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), every_s)
+            if stop.is_set():
+                return
+            for child in self.children.values():
+                if child.proc is None or child.proc.poll() is None or time.monotonic() < next_try[child.mode]:
+                    continue
+                print(f"front door: router {child.mode} exited ({child.proc.returncode}); starting it again",
+                      file=sys.stderr, flush=True)
+                async with self.admin_lock:
+                    try:
+                        await self._restart(child)
+                        failures[child.mode] = 0
+                    except (TimeoutError, RuntimeError, aiohttp.ClientError, OSError) as exc:
+                        failures[child.mode] += 1
+                        wait_s = min(30.0, 2.0 ** failures[child.mode])
+                        next_try[child.mode] = time.monotonic() + wait_s
+                        print(f"front door: router {child.mode}: {exc}; trying again in {wait_s:.0f} s",
+                              file=sys.stderr, flush=True)
+
+    async def _restart(self, child: Child) -> None:
+        child.port, child.prometheus_port = free_port(), free_port()  # the old ones may linger
+        child.start(self.cfg)  # from the event loop's thread: the parent-death signal follows this thread
+        await self._answering(child, time.monotonic() + 60)
+        for reg in list(child.workers.values()):
+            try:
+                await self.register(reg)
+            except RuntimeError as exc:  # a worker that no longer answers; its agent deregisters it
+                print(f"front door: router {child.mode}: {exc}", file=sys.stderr, flush=True)
+        print(f"front door: router {child.mode} started again (pid {child.proc.pid}) with "
+              f"{len(child.workers)} worker(s)", file=sys.stderr, flush=True)
 
     async def stop(self) -> None:
         for child in self.children.values():
@@ -526,7 +571,11 @@ async def serve(cfg: FrontDoorConfig) -> None:
         print(f"front door on http://{cfg.host}:{cfg.port} (mode {door.mode}); routers: "
               + ", ".join(f"{m} {c.url} pid {c.proc.pid}" for m, c in door.children.items()),
               file=sys.stderr, flush=True)
+        supervisor = asyncio.create_task(door.supervise(stop))
         await stop.wait()
+        supervisor.cancel()  # a restart under way stops too: its child is stopped with the others
+        with contextlib.suppress(asyncio.CancelledError):
+            await supervisor
         print("front door: stopping", file=sys.stderr, flush=True)
         await runner.cleanup()
     finally:

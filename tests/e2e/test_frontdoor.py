@@ -280,3 +280,27 @@ def _wait(check, timeout_s: float = 30.0) -> None:
     while not check():
         assert time.monotonic() < deadline, "not within the time"
         time.sleep(0.05)
+
+
+def test_a_router_that_dies_is_started_again_with_its_workers_and_no_request_fails(driver, door):
+    servers = [start(driver, w, Role.COLOCATED, 1) for w in (0, 1)]
+    for server in servers:
+        door.client.register(server.endpoint, Role.COLOCATED)
+    dead = door.client.state()["children"]["colocated"]
+    load = Load(door.url, trajectories=4).start()
+    try:
+        load.wait_turns(8)
+        os.kill(dead["pid"], signal.SIGKILL)  # the OOM killer, say
+
+        def back() -> bool:
+            now = door.client.state()["children"]["colocated"]
+            return now["pid"] != dead["pid"] and sorted(w["url"] for w in now["workers"]) == sorted(
+                s.endpoint for s in servers)
+
+        _wait(back)
+        load.wait_turns(8)  # served by the new router
+    finally:
+        load.stop()
+    assert not load.failures, load.failures[:3]
+    assert wait_gone([dead["pid"]])
+    assert "router colocated started again" in door.log.read_text()
