@@ -242,7 +242,7 @@ class Demo:
                 raise ComponentDied(f"{dead.name} exited ({dead.popen.returncode}) while starting:\n{dead.tail()}")
             status = read_fleet_status(engine)
             live = [a for a in status["agents"] if a["stopped_at"] is None]
-            if status["router"] is not None and len(live) >= agents:
+            if status["router"] is not None and status["router"]["stopped_at"] is None and len(live) >= agents:
                 return
             if self._stop_reason:
                 return

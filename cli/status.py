@@ -108,7 +108,9 @@ def render(s: dict[str, Any], width: int | None = None, max_workers: int | None 
                            f"{a['heartbeat_age_s']:.1f} s ago", a["stopped_at"] or "")
         parts.append(agents)
     if s.get("router"):
-        parts.append(Text(f"front door: {s['router']['url']} (mode {s['router']['mode'] or '-'})"))
+        r = s["router"]
+        stopped = f", stopped at {r['stopped_at']}: restarting, or stopped on purpose" if r["stopped_at"] else ""
+        parts.append(Text(f"front door: {r['url']} (mode {r['mode'] or '-'}{stopped})"))
     if s["leases"]:
         leases = Table("id", "kind", "node", "device", "granted", "deadline", title="Open leases")
         for lease in s["leases"]:

@@ -4,7 +4,8 @@ Keys (docs/formats.md): `state_version`, `gpus` {`total`, `by_zone`, `by_state`}
 `gpus`, `role`, `activity`, `zone`, `weights_version`} ], `plan` (latest or null), `leases` [].
 Also `cluster` (model, gpu, tp, imported_at), `gpus.by_zone_state` (zone -> state -> count), the
 plan's steps in progress with the agent holding each claim (`plan.running`), the node agents with
-the age of their heartbeat (`agents`), and the front door (`router`: url, mode; null without one).
+the age of their heartbeat (`agents`), and the front door (`router`: url, mode, started_at, stopped_at (null
+while it runs); null when none was ever registered).
 Weights: `trainer_version` (the newest version the trainer produced), each worker's `weights_lag`
 (versions behind it) and its newest weight sync (`sync`: version, state, error; null without one).
 A slot whose server failed to start shows until when it is left out of targets (`start_backoff_until`,
@@ -76,9 +77,9 @@ def _agents(session: Session, nodes: dict[int, Node]) -> list[dict[str, Any]]:
 
 
 def _router(session: Session) -> dict[str, Any] | None:
-    r = session.scalars(select(Router).where(Router.stopped_at.is_(None)).order_by(Router.name).limit(1)).first()
+    r = session.scalars(select(Router).order_by(Router.stopped_at.is_not(None), Router.name).limit(1)).first()
     return {"name": r.name, "url": r.url, "admin_url": r.admin_url, "mode": r.mode, "pid": r.pid,
-            "host": r.host} if r else None
+            "host": r.host, "started_at": _iso(r.started_at), "stopped_at": _iso(r.stopped_at)} if r else None
 
 
 def fleet_status(session: Session) -> dict[str, Any]:

@@ -4,6 +4,7 @@ missing from its routers once it is back), while a worker leaving service does n
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -70,5 +71,9 @@ def test_a_new_start_of_the_front_door_is_told_apart_and_pearlctl_router_state_n
     assert door.started() is None
     stopped = pearlctl("router", "state", "--json")
     assert stopped.returncode == 1 and "is stopped" in stopped.stderr and '"error"' in stopped.stdout
+    shown = json.loads(pearlctl("status", "--json").stdout)["router"]  # status shows it stopped, not nothing
+    assert shown["url"] == "http://127.0.0.1:40010" and shown["stopped_at"] is not None
+    assert "stopped at" in pearlctl("status").stdout
     _register(db_engine, pid=12, port=40010)  # started again: a start of its own
     assert door.started() not in (None, first)
+    assert json.loads(pearlctl("status", "--json").stdout)["router"]["stopped_at"] is None
