@@ -248,7 +248,8 @@ class Demo:
                 return
             if time.monotonic() > deadline:
                 raise ComponentDied(f"the fleet did not come up within {timeout_s:g} s (front door "
-                                    f"{'up' if status['router'] else 'down'}, {len(live)}/{agents} agents)")
+                                    f"{'up' if status['router'] and not status['router']['stopped_at'] else 'down'}, "
+                                    f"{len(live)}/{agents} agents)")
             time.sleep(0.2)
 
     def _warm_up(self, engine: Any, timeout_s: float = 180.0) -> None:

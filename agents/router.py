@@ -28,7 +28,7 @@ serving workers again (agents/server_watch.py).
 Processes: the children are started with the parent-death signal set (Linux), so they never outlive
 the front door, even after a SIGKILL; SIGTERM stops them by PID (SIGTERM, then SIGKILL) and exits. A
 child that exits on its own (killed, crashed) is started again on new ports and given back its
-workers; the requests it dropped are resubmitted.
+workers; requests for it are held meanwhile, and those it dropped are resubmitted.
 """
 
 from __future__ import annotations
@@ -55,6 +55,8 @@ from .drivers.process import free_port
 
 MODES = ("colocated", "split")
 RETRYABLE = (500, 502, 503, 504)
+ADMIN_TIMEOUT = aiohttp.ClientTimeout(total=10)  # a child router's admin calls
+STABLE_S = 60.0  # a child router that ran this long before it died is started again at once
 PR_SET_PDEATHSIG = 1
 
 
@@ -109,6 +111,8 @@ class Child:
     log_path: Path
     proc: subprocess.Popen | None = None
     workers: dict[str, Registration] = field(default_factory=dict)  # url -> registration (what pearl asked)
+    restarting: bool = False  # it died and is being started again: requests for it are held
+    started: float = 0.0  # time.monotonic() of its start
 
     @property
     def url(self) -> str:
@@ -120,6 +124,7 @@ class Child:
         if self.mode == "split":
             argv.append("--pd-disaggregation")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.started = time.monotonic()
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                          preexec_fn=_die_with_parent)
@@ -136,6 +141,8 @@ class Child:
 
     def ready(self) -> bool:
         """Whether requests can be served: a regular worker, or a prefill and a decode one."""
+        if self.restarting:
+            return False
         roles = {r.role for r in self.workers.values()}
         return Role.COLOCATED in roles if self.mode == "colocated" else {Role.PREFILL, Role.DECODE} <= roles
 
@@ -175,7 +182,7 @@ class FrontDoor:
             if child.proc.poll() is not None:
                 raise RuntimeError(f"router {child.mode} exited ({child.proc.returncode}); see {child.log_path}")
             with contextlib.suppress(aiohttp.ClientError, OSError, asyncio.TimeoutError):
-                async with self.session.get(child.url + "/workers") as resp:
+                async with self.session.get(child.url + "/workers", timeout=ADMIN_TIMEOUT) as resp:
                     if resp.status == 200:
                         return
             if time.monotonic() > deadline:
@@ -184,8 +191,9 @@ class FrontDoor:
 
     async def supervise(self, stop: asyncio.Event, every_s: float = 0.5) -> None:
         """Until `stop`: a child router that exited (killed, crashed) is started again, on new ports, and
-        given back the workers it had. A request sent to it meanwhile got no answer, which is retried
-        (`_generate`), so none fails for it."""
+        given back the workers it had. Meanwhile requests for it are held (`Child.restarting`), and one
+        it dropped got no answer, which is retried, so none fails for it. A child that dies again within
+        `STABLE_S` of its start, or whose restart fails, waits 2, 4, ... up to 30 s before the next."""
         failures = {mode: 0 for mode in self.children}
         next_try = {mode: 0.0 for mode in self.children}
         while True:
@@ -194,32 +202,44 @@ class FrontDoor:
             if stop.is_set():
                 return
             for child in self.children.values():
-                if child.proc is None or child.proc.poll() is None or time.monotonic() < next_try[child.mode]:
+                if child.proc is None or child.proc.poll() is None:
                     continue
-                print(f"front door: router {child.mode} exited ({child.proc.returncode}); starting it again",
-                      file=sys.stderr, flush=True)
+                if not child.restarting:  # just found dead
+                    child.restarting = True
+                    stable = time.monotonic() - child.started >= STABLE_S
+                    failures[child.mode] = 0 if stable else failures[child.mode] + 1
+                    wait_s = min(30.0, 2.0 ** failures[child.mode]) if failures[child.mode] else 0.0
+                    next_try[child.mode] = time.monotonic() + wait_s
+                    print(f"front door: router {child.mode} exited ({child.proc.returncode}); starting it again"
+                          + (f" in {wait_s:.0f} s" if wait_s else ""), file=sys.stderr, flush=True)
+                if time.monotonic() < next_try[child.mode]:
+                    continue
                 async with self.admin_lock:
                     try:
                         await self._restart(child)
-                        failures[child.mode] = 0
-                    except (TimeoutError, RuntimeError, aiohttp.ClientError, OSError) as exc:
+                    except Exception as exc:  # noqa: BLE001 - whatever it was, stop it and try again later
+                        await asyncio.to_thread(child.stop)
                         failures[child.mode] += 1
                         wait_s = min(30.0, 2.0 ** failures[child.mode])
                         next_try[child.mode] = time.monotonic() + wait_s
-                        print(f"front door: router {child.mode}: {exc}; trying again in {wait_s:.0f} s",
-                              file=sys.stderr, flush=True)
+                        print(f"front door: router {child.mode}: {type(exc).__name__}: {exc}; trying again in "
+                              f"{wait_s:.0f} s", file=sys.stderr, flush=True)
 
     async def _restart(self, child: Child) -> None:
         child.port, child.prometheus_port = free_port(), free_port()  # the old ones may linger
         child.start(self.cfg)  # from the event loop's thread: the parent-death signal follows this thread
         await self._answering(child, time.monotonic() + 60)
-        for reg in list(child.workers.values()):
-            try:
-                await self.register(reg)
-            except RuntimeError as exc:  # a worker that no longer answers; its agent deregisters it
-                print(f"front door: router {child.mode}: {exc}", file=sys.stderr, flush=True)
-        print(f"front door: router {child.mode} started again (pid {child.proc.pid}) with "
-              f"{len(child.workers)} worker(s)", file=sys.stderr, flush=True)
+        regs = list(child.workers.values())
+        results = await asyncio.gather(*(self.register(reg) for reg in regs), return_exceptions=True)
+        for reg, result in zip(regs, results, strict=True):
+            if isinstance(result, BaseException):  # a worker that no longer answers; its agent deregisters it
+                print(f"front door: router {child.mode}: {reg.url}: {result}", file=sys.stderr, flush=True)
+        child.restarting = False
+        async with self.changed:
+            self.changed.notify_all()
+        back = sum(not isinstance(r, BaseException) for r in results)
+        print(f"front door: router {child.mode} started again (pid {child.proc.pid}) with {back} of "
+              f"{len(regs)} worker(s)", file=sys.stderr, flush=True)
 
     async def stop(self) -> None:
         for child in self.children.values():
@@ -261,7 +281,7 @@ class FrontDoor:
     # -- admin -----------------------------------------------------------------------------------
 
     async def _listed(self, child: Child) -> list[dict[str, Any]]:
-        async with self.session.get(child.url + "/workers") as resp:
+        async with self.session.get(child.url + "/workers", timeout=ADMIN_TIMEOUT) as resp:
             resp.raise_for_status()
             return (await resp.json())["workers"]
 
@@ -452,16 +472,28 @@ class FrontDoor:
             return web.json_response(answer)
 
     async def _passthrough(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
-        child = await self._child(time.monotonic() + self.cfg.hold_s)
-        if child is None:
-            return web.json_response({"error": {"message": f"no {self.mode} worker"}}, status=503)
-        async with self.session.post(child.url + "/generate", json=body) as resp:
-            out = web.StreamResponse(status=resp.status, headers={"Content-Type": resp.content_type})
-            await out.prepare(request)
-            async for chunk in resp.content.iter_any():
-                await out.write(chunk)
-            await out.write_eof()
-            return out
+        """A streamed request: sent again while its router gives no answer (a restart); once the stream
+        has begun it is the client's (a stream cut midway is not resumed)."""
+        deadline = time.monotonic() + self.cfg.hold_s
+        while True:
+            child = await self._child(deadline)
+            if child is None:
+                return web.json_response({"error": {"message": f"no {self.mode} worker"}}, status=503)
+            try:
+                resp = await self.session.post(child.url + "/generate", json=body)
+            except (aiohttp.ClientConnectionError, OSError) as exc:
+                if time.monotonic() > deadline:
+                    return web.json_response({"error": {"message": f"{child.mode} router: no answer: {exc}"}},
+                                             status=502)
+                await asyncio.sleep(0.2)
+                continue
+            async with resp:
+                out = web.StreamResponse(status=resp.status, headers={"Content-Type": resp.content_type})
+                await out.prepare(request)
+                async for chunk in resp.content.iter_any():
+                    await out.write(chunk)
+                await out.write_eof()
+                return out
 
 
 def build_app(door: FrontDoor) -> web.Application:

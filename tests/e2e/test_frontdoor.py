@@ -288,19 +288,31 @@ def test_a_router_that_dies_is_started_again_with_its_workers_and_no_request_fai
         door.client.register(server.endpoint, Role.COLOCATED)
     dead = door.client.state()["children"]["colocated"]
     load = Load(door.url, trajectories=4).start()
+    streamed: dict = {}
+
+    def stream() -> None:  # a streamed request sent while its router is dead
+        streamed["r"] = httpx.post(door.url + "/generate", timeout=60, json={
+            "input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4}, "stream": True})
+
     try:
         load.wait_turns(8)
+        before = door.client.state()["resubmits"]
         os.kill(dead["pid"], signal.SIGKILL)  # the OOM killer, say
+        streaming = threading.Thread(target=stream)
+        streaming.start()
 
         def back() -> bool:
             now = door.client.state()["children"]["colocated"]
             return now["pid"] != dead["pid"] and sorted(w["url"] for w in now["workers"]) == sorted(
                 s.endpoint for s in servers)
 
-        _wait(back)
+        _wait(back, 60)
         load.wait_turns(8)  # served by the new router
+        streaming.join(60)
     finally:
         load.stop()
     assert not load.failures, load.failures[:3]
-    assert wait_gone([dead["pid"]])
+    assert door.client.state()["resubmits"] > before  # requests it dropped (or sent to it dead) were sent again
+    assert streamed["r"].status_code == 200 and len(streamed["r"].json()["output_ids"]) == 4
+    assert dead["pid"] not in door.children()
     assert "router colocated started again" in door.log.read_text()
