@@ -42,6 +42,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -124,7 +125,7 @@ class Child:
         if self.mode == "split":
             argv.append("--pd-disaggregation")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self.started = time.monotonic()
+        self.started = time.monotonic()  # the supervisor's clock
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                          preexec_fn=_die_with_parent)
@@ -189,7 +190,8 @@ class FrontDoor:
                 raise RuntimeError(f"router {child.mode} did not answer in 60 s; see {child.log_path}")
             await asyncio.sleep(0.2)
 
-    async def supervise(self, stop: asyncio.Event, every_s: float = 0.5) -> None:
+    async def supervise(self, stop: asyncio.Event, every_s: float = 0.5,
+                        clock: Callable[[], float] = time.monotonic) -> None:
         """Until `stop`: a child router that exited (killed, crashed) is started again, on new ports, and
         given back the workers it had. Meanwhile requests for it are held (`Child.restarting`), and one
         it dropped got no answer, which is retried, so none fails for it. A child that dies again within
@@ -206,13 +208,13 @@ class FrontDoor:
                     continue
                 if not child.restarting:  # just found dead
                     child.restarting = True
-                    stable = time.monotonic() - child.started >= STABLE_S
+                    stable = clock() - child.started >= STABLE_S
                     failures[child.mode] = 0 if stable else failures[child.mode] + 1
                     wait_s = min(30.0, 2.0 ** failures[child.mode]) if failures[child.mode] else 0.0
-                    next_try[child.mode] = time.monotonic() + wait_s
+                    next_try[child.mode] = clock() + wait_s
                     print(f"front door: router {child.mode} exited ({child.proc.returncode}); starting it again"
                           + (f" in {wait_s:.0f} s" if wait_s else ""), file=sys.stderr, flush=True)
-                if time.monotonic() < next_try[child.mode]:
+                if clock() < next_try[child.mode]:
                     continue
                 async with self.admin_lock:
                     try:
@@ -221,7 +223,7 @@ class FrontDoor:
                         await asyncio.to_thread(child.stop)
                         failures[child.mode] += 1
                         wait_s = min(30.0, 2.0 ** failures[child.mode])
-                        next_try[child.mode] = time.monotonic() + wait_s
+                        next_try[child.mode] = clock() + wait_s
                         print(f"front door: router {child.mode}: {type(exc).__name__}: {exc}; trying again in "
                               f"{wait_s:.0f} s", file=sys.stderr, flush=True)
 
