@@ -242,13 +242,13 @@ class Demo:
                 raise ComponentDied(f"{dead.name} exited ({dead.popen.returncode}) while starting:\n{dead.tail()}")
             status = read_fleet_status(engine)
             live = [a for a in status["agents"] if a["stopped_at"] is None]
-            if status["router"] is not None and status["router"]["stopped_at"] is None and len(live) >= agents:
+            if status["router"] is not None and status["router"]["running"] and len(live) >= agents:
                 return
             if self._stop_reason:
                 return
             if time.monotonic() > deadline:
                 raise ComponentDied(f"the fleet did not come up within {timeout_s:g} s (front door "
-                                    f"{'up' if status['router'] and not status['router']['stopped_at'] else 'down'}, "
+                                    f"{'up' if status['router'] and status['router']['running'] else 'down'}, "
                                     f"{len(live)}/{agents} agents)")
             time.sleep(0.2)
 

@@ -73,7 +73,8 @@ class FleetFrontDoor:
     """The fleet's front door as an agent uses it, found by its `routers` row at every call.
 
     A fleet that never registered one has none: every call does nothing (clients reach the servers
-    some other way). A registered one that is stopped is restarting, or gone on purpose:
+    some other way). A registered one that is stopped (or silent past `routers.SILENT_S`: killed) is
+    restarting, or gone on purpose:
     - `register` and `set_mode` wait up to `wait_s` for it, then raise `DriverError`: a worker
       admitted around it would be missing from its routers once it is back;
     - `deregister` does not wait: the worker leaves service either way, and a restarted front door

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from pathlib import Path
 from typing import Annotated
@@ -87,10 +88,27 @@ def _register_when_listening(engine: object, cfg: object, timeout_s: float = 120
                 mode = resp.json().get("mode") or cfg.mode  # type: ignore[attr-defined]
                 register_router(engine, url=url, admin_url=url, host=cfg.host,  # type: ignore[arg-type,attr-defined]
                                 pid=os.getpid(), mode=mode)
+                _heartbeat(engine)
                 return
         except (httpx.HTTPError, ValueError):
             pass
         time.sleep(0.1)
+
+
+def _heartbeat(engine: object) -> None:
+    """Until the process ends (a daemon thread): its row stays fresh, so that agents tell a killed front
+    door from a running one."""
+    import time
+
+    from pearl.controlplane.store.routers import HEARTBEAT_S, heartbeat
+
+    while True:
+        time.sleep(HEARTBEAT_S)
+        try:
+            if not heartbeat(engine, pid=os.getpid()):  # type: ignore[arg-type]
+                return  # stopped, or another front door took the row over
+        except PearlError as exc:  # the database away a while: the next beat tries again
+            print(f"front door: heartbeat: {exc}", file=sys.stderr, flush=True)
 
 
 @router_app.command("state")

@@ -109,7 +109,8 @@ def render(s: dict[str, Any], width: int | None = None, max_workers: int | None 
         parts.append(agents)
     if s.get("router"):
         r = s["router"]
-        stopped = f", stopped at {r['stopped_at']}: restarting, or stopped on purpose" if r["stopped_at"] else ""
+        stopped = (f", stopped at {r['stopped_at']}: restarting, or stopped on purpose" if r["stopped_at"] else
+                   f", silent for {r['heartbeat_age_s']:.0f} s: killed?" if not r["running"] else "")
         parts.append(Text(f"front door: {r['url']} (mode {r['mode'] or '-'}{stopped})"))
     if s["leases"]:
         leases = Table("id", "kind", "node", "device", "granted", "deadline", title="Open leases")

@@ -4,8 +4,9 @@ Keys (docs/formats.md): `state_version`, `gpus` {`total`, `by_zone`, `by_state`}
 `gpus`, `role`, `activity`, `zone`, `weights_version`} ], `plan` (latest or null), `leases` [].
 Also `cluster` (model, gpu, tp, imported_at), `gpus.by_zone_state` (zone -> state -> count), the
 plan's steps in progress with the agent holding each claim (`plan.running`), the node agents with
-the age of their heartbeat (`agents`), and the front door (`router`: url, mode, started_at, stopped_at (null
-while it runs); null when none was ever registered).
+the age of their heartbeat (`agents`), and the front door (`router`: url, mode, started_at, stopped_at,
+heartbeat_age_s, running: not stopped and heard from within `routers.SILENT_S`; null when none was ever
+registered).
 Weights: `trainer_version` (the newest version the trainer produced), each worker's `weights_lag`
 (versions behind it) and its newest weight sync (`sync`: version, state, error; null without one).
 A slot whose server failed to start shows until when it is left out of targets (`start_backoff_until`,
@@ -19,6 +20,7 @@ from typing import Any
 
 from pearl.controlplane.core.domain import StepStatus
 from pearl.controlplane.store.db import transaction
+from pearl.controlplane.store.routers import SILENT_S
 from pearl.controlplane.store.schema import GPU, Agent, Fleet, Lease, Node, Plan, PlanStep, Router, Worker
 from pearl.controlplane.store.snapshot import start_backoffs
 from pearl.controlplane.store.step_effects import trainer_version
@@ -78,8 +80,12 @@ def _agents(session: Session, nodes: dict[int, Node]) -> list[dict[str, Any]]:
 
 def _router(session: Session) -> dict[str, Any] | None:
     r = session.scalars(select(Router).order_by(Router.stopped_at.is_not(None), Router.name).limit(1)).first()
+    if r is None:
+        return None
+    age = (session.scalar(select(func.pearl_now())) - r.heartbeat_at).total_seconds()
     return {"name": r.name, "url": r.url, "admin_url": r.admin_url, "mode": r.mode, "pid": r.pid,
-            "host": r.host, "started_at": _iso(r.started_at), "stopped_at": _iso(r.stopped_at)} if r else None
+            "host": r.host, "started_at": _iso(r.started_at), "stopped_at": _iso(r.stopped_at),
+            "heartbeat_age_s": round(age, 3), "running": r.stopped_at is None and age < SILENT_S}
 
 
 def fleet_status(session: Session) -> dict[str, Any]:

@@ -1,10 +1,12 @@
 """The front door as a row of `routers`: where clients send requests, where agents register workers,
 and which mode it serves (the router_sync step records it). `pearlctl router serve` registers itself
-here when it starts and says so when it stops; agents find it by `front_door`."""
+here when it starts, heartbeats every `HEARTBEAT_S` and says so when it stops; agents find it by
+`front_door`. One whose heartbeat is older than `SILENT_S` counts as stopped: it was killed (SIGKILL,
+its machine lost) before it could say so."""
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import NamedTuple
 
 from pearl.controlplane.core.domain import Activity, Role
@@ -14,6 +16,8 @@ from sqlalchemy import Engine, func, select, update
 from sqlalchemy.dialects.postgresql import insert
 
 DEFAULT = "default"
+HEARTBEAT_S = 2.0
+SILENT_S = 10.0
 
 
 def register_router(engine: Engine, *, url: str, admin_url: str, host: str, pid: int, mode: str | None,
@@ -37,10 +41,22 @@ class FrontDoorRow(NamedTuple):
     started_at: datetime  # which start of it: a restarted front door has a new one
 
 
+def heartbeat(engine: Engine, *, pid: int, name: str = DEFAULT) -> bool:
+    """The front door `pid` is alive; False when its row was taken over or marked stopped."""
+    with transaction(engine) as session:
+        return session.execute(update(Router).where(Router.name == name, Router.pid == pid,
+                                                    Router.stopped_at.is_(None))
+                               .values(heartbeat_at=func.pearl_now())).rowcount == 1
+
+
+def _running() -> object:
+    return Router.stopped_at.is_(None) & (Router.heartbeat_at > func.pearl_now() - timedelta(seconds=SILENT_S))
+
+
 def front_door(engine: Engine, name: str = DEFAULT) -> FrontDoorRow | None:
     """The fleet's front door as its row has it; None when the fleet never registered one."""
     with transaction(engine) as session:
-        row = session.execute(select(Router.admin_url, Router.stopped_at.is_(None), Router.started_at)
+        row = session.execute(select(Router.admin_url, _running(), Router.started_at)
                               .where(Router.name == name)).first()
     return FrontDoorRow(row[0], bool(row[1]), row[2]) if row is not None else None
 

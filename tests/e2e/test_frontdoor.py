@@ -203,6 +203,8 @@ def test_a_restarted_front_door_serves_the_mode_it_restored_or_the_one_recorded_
     try:
         doors.append(first := start_front_door(tmp_path / "fd", env=env))
         _wait(lambda: recorded()[0] == "colocated")
+        with transaction(engine) as s:  # it heartbeats its row: agents tell it from a killed one
+            _wait(lambda: s.scalar(text("SELECT heartbeat_at > started_at + interval '1 second' FROM routers")))
         first.client.set_mode("split")  # what a router_sync step does
         first.stop()
         assert first.proc.returncode == 0 and recorded()[1] is not None

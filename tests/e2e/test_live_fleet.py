@@ -55,7 +55,7 @@ def live(db_engine: Engine, database_url: str, tmp_path: Path) -> Iterator[tuple
 
 def _ready(engine: Engine) -> bool:
     status = read_fleet_status(engine)
-    return (status["router"] is not None and status["router"]["stopped_at"] is None
+    return (status["router"] is not None and status["router"]["running"]
             and len([a for a in status["agents"] if a["stopped_at"] is None]) == 2)
 
 

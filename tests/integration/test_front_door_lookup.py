@@ -11,8 +11,9 @@ import time
 import pytest
 from pearl.agents.drivers.base import DriverError
 from pearl.agents.router_client import FleetFrontDoor, FrontDoorClient
-from pearl.controlplane.store.routers import register_router, router_stopped
-from sqlalchemy import Engine
+from pearl.controlplane.store.db import transaction
+from pearl.controlplane.store.routers import SILENT_S, heartbeat, register_router, router_stopped
+from sqlalchemy import Engine, text
 
 pytestmark = pytest.mark.integration
 
@@ -76,4 +77,29 @@ def test_a_new_start_of_the_front_door_is_told_apart_and_pearlctl_router_state_n
     assert "stopped at" in pearlctl("status").stdout
     _register(db_engine, pid=12, port=40010)  # started again: a start of its own
     assert door.started() not in (None, first)
-    assert json.loads(pearlctl("status", "--json").stdout)["router"]["stopped_at"] is None
+    shown = json.loads(pearlctl("status", "--json").stdout)["router"]
+    assert shown["stopped_at"] is None and shown["running"]
+
+
+def test_a_front_door_silent_past_its_heartbeat_counts_as_stopped_until_it_beats_again(
+        db_engine: Engine, pearlctl) -> None:
+    """Killed (SIGKILL, its machine lost) before it could say so: agents wait for it instead of failing
+    their steps against it, and status says it is silent."""
+    door = FleetFrontDoor(db_engine, wait_s=0.5, poll_s=0.05)
+    _register(db_engine, pid=21, port=40020)
+    assert door.started() is not None and heartbeat(db_engine, pid=21)
+    with transaction(db_engine) as s:
+        s.execute(text("UPDATE routers SET heartbeat_at = pearl_now() - make_interval(secs => :s)"),
+                  {"s": SILENT_S + 1})
+    assert door.started() is None and door.live(wait=False) is None
+    with pytest.raises(DriverError, match="did not come back"):
+        door.register("http://127.0.0.1:1", "colocated")
+    shown = json.loads(pearlctl("status", "--json").stdout)["router"]
+    assert not shown["running"] and shown["stopped_at"] is None and shown["heartbeat_age_s"] > SILENT_S
+    assert "silent for" in pearlctl("status").stdout
+    assert heartbeat(db_engine, pid=21)  # it was only slow: running again
+    assert door.started() is not None
+    assert not heartbeat(db_engine, pid=22)  # another process's beat does not keep this row alive
+    router_stopped(db_engine, pid=21)
+    assert not heartbeat(db_engine, pid=21)  # a stopped front door's late beat does not revive it
+    assert door.started() is None
