@@ -18,7 +18,8 @@ What it adds to the routers:
   restarting), requests are held, up to `max_held` of them for up to `hold_s` each, not failed.
 
 Admin API for the agents (no database): `POST /pearl/workers {url, role, bootstrap_port}` registers a
-worker with the child of its role and returns once the child lists it; `DELETE /pearl/workers
+worker with the child of its role and returns once the child lists it (a child being restarted
+records it, and lists it once it is back: `pending`); `DELETE /pearl/workers
 {url}` returns once it is gone; `PUT /pearl/mode {mode}`; `PUT /pearl/workers {mode, workers}` makes
 both children list exactly these workers; `GET /pearl/state`. The registrations and the mode are
 also kept in `state.json` under the run directory, and a restarted front door registers again those
@@ -232,7 +233,7 @@ class FrontDoor:
         child.start(self.cfg)  # from the event loop's thread: the parent-death signal follows this thread
         await self._answering(child, time.monotonic() + 60)
         regs = list(child.workers.values())
-        results = await asyncio.gather(*(self.register(reg) for reg in regs), return_exceptions=True)
+        results = await asyncio.gather(*(self._enlist(child, reg) for reg in regs), return_exceptions=True)
         for reg, result in zip(regs, results, strict=True):
             if isinstance(result, BaseException):  # a worker that no longer answers; its agent deregisters it
                 print(f"front door: router {child.mode}: {reg.url}: {result}", file=sys.stderr, flush=True)
@@ -289,6 +290,14 @@ class FrontDoor:
 
     async def register(self, reg: Registration) -> dict[str, Any]:
         child = self.children[child_mode(reg.role)]
+        if child.restarting:  # its restart registers every worker it records, this one included
+            child.workers[reg.url] = reg
+            self._save()
+            return {"id": None, "router": child.mode, "pending": True, **reg.to_dict()}
+        return await self._enlist(child, reg)
+
+    async def _enlist(self, child: Child, reg: Registration) -> dict[str, Any]:
+        """Register with a running child; returns once it lists the worker."""
         deadline = time.monotonic() + self.cfg.register_timeout_s
         for entry in await self._listed(child):
             if entry["url"] == reg.url and entry["worker_type"] != WORKER_TYPE[reg.role]:
@@ -329,7 +338,10 @@ class FrontDoor:
         found = False
         deadline = time.monotonic() + self.cfg.register_timeout_s
         for child in self.children.values():
-            child.workers.pop(url, None)
+            popped = child.workers.pop(url, None)
+            if child.restarting:  # its restart registers only the workers it still records
+                found = found or popped is not None
+                continue
             for entry in await self._listed(child):
                 if entry["url"] == url:
                     found = True
@@ -346,10 +358,11 @@ class FrontDoor:
     async def sync(self, mode: str | None, regs: list[Registration]) -> None:
         wanted = {r.url: r for r in regs}
         for child in self.children.values():
-            for entry in await self._listed(child):
-                reg = wanted.get(entry["url"])
+            listed = list(child.workers) if child.restarting else [e["url"] for e in await self._listed(child)]
+            for url in listed:
+                reg = wanted.get(url)
                 if reg is None or child_mode(reg.role) != child.mode:
-                    await self.deregister(entry["url"])
+                    await self.deregister(url)
         for reg in regs:
             await self.register(reg)
         if mode is not None:
@@ -366,6 +379,7 @@ class FrontDoor:
                 error = None
             children[mode] = {
                 "url": child.url, "pid": child.proc.pid if child.proc else None, "ready": child.ready(),
+                "restarting": child.restarting,
                 "error": error,
                 "workers": [{"url": e["url"], "worker_type": e["worker_type"], "healthy": e.get("is_healthy"),
                              "bootstrap_port": e.get("bootstrap_port"), "load": e.get("load")} for e in listed],

@@ -286,6 +286,7 @@ def _wait(check, timeout_s: float = 30.0) -> None:
 
 def test_a_router_that_dies_is_started_again_with_its_workers_and_no_request_fails(driver, door):
     servers = [start(driver, w, Role.COLOCATED, 1) for w in (0, 1)]
+    joining = start(driver, 2, Role.COLOCATED, 1)
     for server in servers:
         door.client.register(server.endpoint, Role.COLOCATED)
     dead = door.client.state()["children"]["colocated"]
@@ -302,11 +303,15 @@ def test_a_router_that_dies_is_started_again_with_its_workers_and_no_request_fai
         os.kill(dead["pid"], signal.SIGKILL)  # the OOM killer, say
         streaming = threading.Thread(target=stream)
         streaming.start()
+        # an agent's admit and drain while it is dead: recorded, and enacted once it is back
+        _wait(lambda: door.client.state()["children"]["colocated"]["restarting"], 10)
+        door.client.register(joining.endpoint, Role.COLOCATED)
+        assert door.client.deregister(servers[1].endpoint)
+        wanted = sorted([servers[0].endpoint, joining.endpoint])
 
         def back() -> bool:
             now = door.client.state()["children"]["colocated"]
-            return now["pid"] != dead["pid"] and sorted(w["url"] for w in now["workers"]) == sorted(
-                s.endpoint for s in servers)
+            return now["pid"] != dead["pid"] and sorted(w["url"] for w in now["workers"]) == wanted
 
         _wait(back, 60)
         load.wait_turns(8)  # served by the new router
