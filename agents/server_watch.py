@@ -86,10 +86,7 @@ class ServerWatch:
         stopped = []
         for wid in left:
             server = servers[wid]
-            try:
-                self.front_door().deregister(server.endpoint)
-            except Exception as exc:  # stopping it is what matters; a dead server leaves the router by itself
-                log.warning("front door: could not deregister %s: %s", server.endpoint, exc)
+            self._deregister(server.endpoint)  # stopping it is what matters
             if self.driver.stop(wid, pid=server.pid):  # that process only: a start may have replaced it
                 log.warning("worker %d is out of service but its server at %s still ran: stopped it", wid,
                             server.endpoint, extra={"action": "stop_leftover_server"})
@@ -169,5 +166,5 @@ class ServerWatch:
     def _deregister(self, endpoint: str) -> None:
         try:
             self.front_door().deregister(endpoint)
-        except Exception as exc:  # the front door drops a dead server by itself too; the rows are done
+        except Exception as exc:  # the front door drops a dead server by itself too
             log.warning("front door: could not deregister %s: %s", endpoint, exc)

@@ -19,8 +19,8 @@ from collections import Counter, defaultdict
 from typing import Any
 
 from pearl.controlplane.core.domain import StepStatus
+from pearl.controlplane.store import routers
 from pearl.controlplane.store.db import transaction
-from pearl.controlplane.store.routers import SILENT_S
 from pearl.controlplane.store.schema import GPU, Agent, Fleet, Lease, Node, Plan, PlanStep, Router, Worker
 from pearl.controlplane.store.snapshot import start_backoffs
 from pearl.controlplane.store.step_effects import trainer_version
@@ -79,13 +79,14 @@ def _agents(session: Session, nodes: dict[int, Node]) -> list[dict[str, Any]]:
 
 
 def _router(session: Session) -> dict[str, Any] | None:
-    r = session.scalars(select(Router).order_by(Router.stopped_at.is_not(None), Router.name).limit(1)).first()
-    if r is None:
+    found = session.execute(select(Router, routers.running(), func.pearl_now() - Router.heartbeat_at)
+                            .order_by(Router.stopped_at.is_not(None), Router.name).limit(1)).first()
+    if found is None:
         return None
-    age = (session.scalar(select(func.pearl_now())) - r.heartbeat_at).total_seconds()
+    r, running, age = found
     return {"name": r.name, "url": r.url, "admin_url": r.admin_url, "mode": r.mode, "pid": r.pid,
             "host": r.host, "started_at": _iso(r.started_at), "stopped_at": _iso(r.stopped_at),
-            "heartbeat_age_s": round(age, 3), "running": r.stopped_at is None and age < SILENT_S}
+            "heartbeat_age_s": round(age.total_seconds(), 3), "running": bool(running)}
 
 
 def fleet_status(session: Session) -> dict[str, Any]:

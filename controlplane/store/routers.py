@@ -49,14 +49,15 @@ def heartbeat(engine: Engine, *, pid: int, name: str = DEFAULT) -> bool:
                                .values(heartbeat_at=func.pearl_now())).rowcount == 1
 
 
-def _running() -> object:
+def running() -> object:
+    """SQL: the row's front door runs (not stopped, heard from within `SILENT_S`)."""
     return Router.stopped_at.is_(None) & (Router.heartbeat_at > func.pearl_now() - timedelta(seconds=SILENT_S))
 
 
 def front_door(engine: Engine, name: str = DEFAULT) -> FrontDoorRow | None:
     """The fleet's front door as its row has it; None when the fleet never registered one."""
     with transaction(engine) as session:
-        row = session.execute(select(Router.admin_url, _running(), Router.started_at)
+        row = session.execute(select(Router.admin_url, running(), Router.started_at)
                               .where(Router.name == name)).first()
     return FrontDoorRow(row[0], bool(row[1]), row[2]) if row is not None else None
 
