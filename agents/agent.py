@@ -8,7 +8,8 @@ at any instant and a new one carries on. The loop:
 - wakes on NOTIFY (`pearl_steps` for its node, `pearl_plans`), and polls every `poll_s` anyway: the
   rows are the truth, a notification only a hint;
 - claims up to `max_steps` ready steps of its node in one statement (`claim_steps`, SKIP LOCKED, at
-  most one per worker) and enacts each in a thread of its own (`agents.steps`);
+  most one per worker, none of a worker it is still at work on) and enacts each in a thread of its own
+  (`agents.steps`);
 - runs a reaper pass every `reap_every_s` while it holds the `reaper` leader lease;
 - watches the servers of its node's active workers every `watch_s` (`agents.server_watch`): one whose
   process is gone and that does not answer for `crash_after_s` is taken out of service, its GPUs
@@ -83,7 +84,6 @@ class Agent:
         self._lock = threading.Lock()
         self._in_hand: dict[int, StepContext] = {}  # step id -> its context
         self._aside: dict[int, int] = {}  # workers held aside (how many holds): no step of theirs meanwhile
-        self._claim_after = 0.0  # a step handed back for a busy worker: no claim before this (no hot loop)
         self._pool = ThreadPoolExecutor(max_workers=config.max_steps, thread_name_prefix=f"step-{config.node}")
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -173,31 +173,34 @@ class Agent:
         assert self.registration is not None
         with self._lock:
             free = self.config.max_steps - len(self._in_hand)
-        if free <= 0 or self._stop.is_set() or time.monotonic() < self._claim_after:
+            busy = self._busy()
+        if free <= 0 or self._stop.is_set():
             return
         with transaction(self.engine, actor=f"agent {self.config.node}") as session:
-            rows = session.execute(query("claim_steps"), {
-                "node_id": self.registration.node_id, "agent_id": self.registration.agent_id,
-                "lease_s": self.config.lease_s, "limit": free}).mappings().all()
+            rows = plan_store.claim_steps(session, self.registration.node_id, self.registration.agent_id,
+                                          lease_s=self.config.lease_s, limit=free, busy=busy)
         for row in rows:
-            ctx = StepContext(self.engine, dict(row), self.driver, self.client, self.front_door,
+            ctx = StepContext(self.engine, row, self.driver, self.client, self.front_door,
                               self.registration.address, actor=f"agent {self.config.node}",
                               timeouts=self.config.timeouts)
             with self._lock:  # "is the worker busy" and "now it is" in one critical section (see `_held_aside`)
-                busy = row["worker_id"] in self._aside or any(
-                    c.step["worker_id"] == row["worker_id"] and not c.finishing for c in self._in_hand.values())
-                if not busy:
+                late = row["worker_id"] in self._busy()
+                if not late:
                     self._in_hand[ctx.id] = ctx
-            if busy:  # a thread of this agent still works on the worker's server (an earlier claim that
-                # lapsed, or the server watch): not beside it
+            if late:  # the watch held the worker aside since the claim's `busy` was read: not beside it
                 log.info("%s: worker %s is busy; handing the step back", row["key"], row["worker_id"],
                          extra={"action": "claim_deferred"})
                 self._hand_back(row)
-                self._claim_after = time.monotonic() + 1.0
                 continue
             log.info("claimed %s (step %s, fence %s)", row["key"], row["id"], row["fence"],
                      extra={"action": "claim_step"})
             self._pool.submit(self._enact, ctx)
+
+    def _busy(self) -> set[int]:
+        """The workers this agent is at work on (call with `_lock` held): held aside for the server watch,
+        or with a step in hand whose thread has not finished (one whose claim lapsed may still be in its
+        server call). Their steps are left for later, without holding back the other workers'."""
+        return set(self._aside) | {c.step["worker_id"] for c in self._in_hand.values() if not c.finishing}
 
     def _enact(self, ctx: StepContext) -> None:
         key = ctx.step["key"]
@@ -268,8 +271,9 @@ class Agent:
 
     @contextlib.contextmanager
     def _held_aside(self, worker_id: int) -> Iterator[bool]:
-        """Hold a worker aside for the server watch: True, and no step of it is enacted until the block
-        ends (one claimed meanwhile is handed back); False when a step of it is in hand now."""
+        """Hold a worker aside for the server watch: True, and no step of it is claimed until the block
+        ends (one claimed in the instant the hold began is handed back); False when a step of it is in
+        hand now."""
         with self._lock:
             held = not any(c.step["worker_id"] == worker_id for c in self._in_hand.values())
             if held:
@@ -282,6 +286,7 @@ class Agent:
                     self._aside[worker_id] -= 1
                     if not self._aside[worker_id]:
                         del self._aside[worker_id]
+                self._wake.set()  # a step of the worker may be waiting: claim it now
 
     def _watch(self) -> None:
         c = self.config

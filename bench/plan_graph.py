@@ -35,7 +35,6 @@ from pearl.controlplane.core.orchestrator import orchestrate
 from pearl.controlplane.store import plan_store
 from pearl.controlplane.store.db import make_engine, transaction
 from pearl.controlplane.store.inventory_import import import_inventory
-from pearl.controlplane.store.queries import query
 from pearl.controlplane.store.schema import GPU, Plan, PlanStep, PlanStepDep, Worker
 from pearl.controlplane.store.snapshot import load_snapshot
 from pearl.controlplane.store.transitions import lock_fleet
@@ -68,7 +67,6 @@ def serving_colocated(engine: Engine, gpus: int) -> int:
 
 def reconcile(engine: Engine, plan_id: int) -> dict[str, Any]:
     """Claim every ready step (by node), enact and report each, until the plan is no longer applying."""
-    claim = query("claim_steps")
     reports: list[float] = []
     slowest: tuple[float, str] = (0.0, "")
     claiming = 0.0
@@ -82,8 +80,7 @@ def reconcile(engine: Engine, plan_id: int) -> dict[str, Any]:
         claimed = []
         for node in nodes:
             with transaction(engine, actor="bench agent") as session:
-                claimed += [dict(r) for r in session.execute(claim, {"node_id": node, "agent_id": None,
-                                                                     "lease_s": 3600, "limit": 100}).mappings()]
+                claimed += plan_store.claim_steps(session, node, None, lease_s=3600, limit=100)
         claiming += time.perf_counter() - c0
         if not claimed:
             break

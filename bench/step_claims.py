@@ -159,7 +159,7 @@ def pearl_claims(url: str, agents: list[tuple[int, int]]) -> tuple[list[Worker],
 
     def body(i: int, barrier: threading.Barrier, w: Worker) -> None:
         node_id, agent_id = agents[i]
-        params = {"node_id": node_id, "agent_id": agent_id, "lease_s": LEASE_S, "limit": 1}
+        params = {"node_id": node_id, "agent_id": agent_id, "lease_s": LEASE_S, "limit": 1, "busy": []}
         with psycopg.connect(conninfo) as conn:
             barrier.wait()
             while True:
@@ -198,7 +198,7 @@ def pearl_reported(url: str, agents: list[tuple[int, int]], per_node: int) -> tu
     try:
         def body(i: int, barrier: threading.Barrier, w: Worker) -> None:
             node_id, agent_id = agents[i]
-            params = {"node_id": node_id, "agent_id": agent_id, "lease_s": LEASE_S, "limit": 1}
+            params = {"node_id": node_id, "agent_id": agent_id, "lease_s": LEASE_S, "limit": 1, "busy": []}
             barrier.wait()
             while len(w.claims) < per_node:
                 t0 = time.perf_counter()

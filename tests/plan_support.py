@@ -18,7 +18,7 @@ from pearl.controlplane.core.fleet import Target
 from pearl.controlplane.core.inventory import parse_inventory
 from pearl.controlplane.core.orchestrator import orchestrate
 from pearl.controlplane.core.workload import Workload
-from pearl.controlplane.store import step_effects
+from pearl.controlplane.store import plan_store, step_effects
 from pearl.controlplane.store.db import transaction
 from pearl.controlplane.store.inventory_import import import_inventory
 from pearl.controlplane.store.plan_store import (
@@ -30,7 +30,6 @@ from pearl.controlplane.store.plan_store import (
     write_decision,
     write_plan,
 )
-from pearl.controlplane.store.queries import query
 from pearl.controlplane.store.snapshot import load_snapshot
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
@@ -122,8 +121,7 @@ def claim_ready(engine: Engine, now: datetime, agent: int | None = None) -> list
         pin_clock(session, now)
         nodes = session.execute(text("SELECT id FROM nodes ORDER BY id")).scalars().all()
         for n in nodes:
-            rows = session.execute(query("claim_steps"), {"node_id": n, "agent_id": agent, "lease_s": 30,
-                                                          "limit": 100}).mappings().all()
+            rows = plan_store.claim_steps(session, n, agent, lease_s=30, limit=100)
             claimed.extend(dict(r) for r in rows)
     return claimed
 

@@ -38,7 +38,7 @@ import math
 import numbers
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from graphlib import CycleError, TopologicalSorter
 from typing import Any
@@ -351,6 +351,15 @@ def _locked_plan(session: Session, plan_id: int) -> PlanRow:
         select(PlanRow).where(PlanRow.id == plan_id).with_for_update(key_share=True)
         .execution_options(populate_existing=True)
     ).one()
+
+
+def claim_steps(session: Session, node_id: int, agent_id: int | None, *, lease_s: float, limit: int,
+                busy: Collection[int] = ()) -> list[dict[str, Any]]:
+    """Claim up to `limit` ready steps of a node (`claim_steps` in queries.sql): at most one per worker,
+    none of a `busy` worker (one its agent is still at work on), each with a lease and a fresh fence."""
+    rows = session.execute(query("claim_steps"), {"node_id": node_id, "agent_id": agent_id, "lease_s": lease_s,
+                                                  "limit": limit, "busy": sorted(busy)}).mappings().all()
+    return [dict(r) for r in rows]
 
 
 def finish_step(

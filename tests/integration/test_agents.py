@@ -3,6 +3,7 @@ an in-process driver whose servers really change state (tests/agent_support.py).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -250,15 +251,15 @@ def test_an_agent_outlives_an_error_that_is_not_the_database_being_away(fleet: F
     assert failures and all(thread.is_alive() for _, thread in fleet.agents)
 
 
-def test_a_step_claimed_again_while_its_lapsed_thread_still_runs_is_not_enacted_beside_it(fleet: Fleet) -> None:
+def test_a_step_rescued_while_its_lapsed_thread_still_runs_is_not_claimed_beside_it(fleet: Fleet) -> None:
     """The claim of a step stuck in its server call lapses (a database away longer than the lease) and is
-    rescued; the agent claims the step again while the old thread still runs: it hands it back until that
-    thread is done, instead of a second thread driving the same server."""
+    rescued; the agent leaves the step ready (unclaimed) until that thread is done, instead of a second
+    thread driving the same server, and does not hold back the steps of its other workers meanwhile."""
     from pearl.controlplane.store.queries import query
 
     fleet.servers.hang_launch.set()
     try:
-        fleet.start("node-a")
+        agent = fleet.start("node-a")
         plan_id = propose(fleet.engine, Target(frozenset({1}), {Role.COLOCATED: 1}))
         plan_store.apply(fleet.engine, plan_id)
         _wait_for(lambda: fleet.servers.in_launch == 1)
@@ -266,14 +267,76 @@ def test_a_step_claimed_again_while_its_lapsed_thread_still_runs_is_not_enacted_
             session.execute(text("UPDATE plan_steps SET lease_until = now() - interval '1 minute' "
                                  "WHERE status = 'running'"))
             assert session.execute(query("rescue_expired_steps"), {"max_attempts": 10}).all()
-        _wait_for(lambda: _step(fleet.engine, plan_id, "w1.start")["error"] == "handed back by its agent")
-        time.sleep(0.5)
+        passes = _claim_passes(agent)
+        _wait_for(lambda: passes[0] >= 5)  # the agent looked for steps five times since
+        rescued = _step(fleet.engine, plan_id, "w1.start")
+        assert rescued["status"] == "ready" and rescued["attempts"] == 1, rescued
+        assert rescued["error"] != "handed back by its agent"  # never claimed meanwhile
         assert fleet.servers.most_in_launch == 1  # never two threads on the one server
     finally:
         fleet.servers.hang_launch.clear()  # the old thread ends (its claim is gone); the step is enacted once
     summary = plan_store.wait_plan(fleet.engine, plan_id, timeout_s=30, poll_s=0.05)
     assert summary["status"] == "succeeded", summary["error"]
     assert fleet.servers.launches == 1 and fleet.servers.most_in_launch == 1
+
+
+def test_the_steps_of_a_worker_held_aside_wait_without_holding_back_the_others(fleet: Fleet) -> None:
+    agent = fleet.start("node-a")
+    _wait_for(lambda: agent.registration is not None)
+    with agent._held_aside(1) as held:
+        assert held
+        plan_id = propose(fleet.engine, Target(frozenset({1, 2}), {Role.COLOCATED: 2}))
+        plan_store.apply(fleet.engine, plan_id)
+        # worker 2 starts at once (both are then admitted together, an expansion group)
+        _wait_for(lambda: _step(fleet.engine, plan_id, "w2.start")["status"] == "succeeded")
+        passes = _claim_passes(agent)
+        _wait_for(lambda: passes[0] >= 5)
+        waiting = _step(fleet.engine, plan_id, "w1.start")
+        assert (waiting["status"], waiting["attempts"], waiting["error"]) == ("ready", 0, None)
+    summary = plan_store.wait_plan(fleet.engine, plan_id, timeout_s=30, poll_s=0.05)  # claimed once let go
+    assert summary["status"] == "succeeded", summary["error"]
+    assert _step(fleet.engine, plan_id, "w1.start")["attempts"] == 1
+
+
+def test_a_step_claimed_in_the_instant_its_worker_is_held_aside_is_handed_back(
+        fleet: Fleet, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hold begins between the claim's read of the busy workers and its statement: the step claimed
+    is handed back (not enacted beside the watch), and claimed again once the hold ends."""
+    from pearl.agents import agent as agent_module
+
+    agent = fleet.start("node-a")
+    _wait_for(lambda: agent.registration is not None)
+    hold, held = contextlib.ExitStack(), []
+    real = plan_store.claim_steps
+
+    def claim_then_hold(session, node_id, agent_id, **kw):  # the real claim, then the watch's hold
+        rows = real(session, node_id, agent_id, **kw)
+        if any(r["worker_id"] == 1 for r in rows) and not held:
+            held.append(hold.enter_context(agent._held_aside(1)))
+            assert held == [True]
+        return rows
+
+    monkeypatch.setattr(agent_module.plan_store, "claim_steps", claim_then_hold)
+    plan_id = propose(fleet.engine, Target(frozenset({1}), {Role.COLOCATED: 1}))
+    plan_store.apply(fleet.engine, plan_id)
+    _wait_for(lambda: _step(fleet.engine, plan_id, "w1.start")["error"] == "handed back by its agent")
+    assert fleet.servers.launches == 0 and roles(fleet.engine)[1][0] is Activity.INACTIVE
+    hold.close()
+    summary = plan_store.wait_plan(fleet.engine, plan_id, timeout_s=30, poll_s=0.05)
+    assert summary["status"] == "succeeded", summary["error"]
+    assert fleet.servers.launches == 1
+
+
+def _claim_passes(agent: Agent) -> list[int]:
+    """Count the agent's claim passes from now on (one counter, read as `passes[0]`)."""
+    passes, claim = [0], agent._claim
+
+    def counted() -> None:
+        claim()
+        passes[0] += 1
+
+    agent._claim = counted  # type: ignore[method-assign]
+    return passes
 
 
 def test_an_applied_plan_is_claimed_without_a_heartbeat_first(fleet: Fleet) -> None:

@@ -16,6 +16,7 @@ from pearl.controlplane.core.domain import (
     StepStatus,
     WorkerZone,
 )
+from pearl.controlplane.store import plan_store
 from pearl.controlplane.store.db import transaction
 from pearl.controlplane.store.queries import load_queries, query
 from pearl.controlplane.store.schema import Agent, Lease, Plan, PlanStep
@@ -47,13 +48,12 @@ def make_plan(engine: Engine, node: str, n_workers: int | None = None) -> tuple[
         return agent.id, [s.id for s in steps]
 
 
-def claim(engine: Engine, agent: int, node: str, now: datetime, limit: int = 10) -> list[dict]:
+def claim(engine: Engine, agent: int, node: str, now: datetime, limit: int = 10,
+          busy: tuple[int, ...] = ()) -> list[dict]:
     with transaction(engine) as session:
         node_id = session.execute(text("SELECT id FROM nodes WHERE name = :n"), {"n": node}).scalar_one()
         pin_clock(session, now)
-        rows = session.execute(query("claim_steps"), {"node_id": node_id, "agent_id": agent,
-                                                      "lease_s": LEASE_S, "limit": limit}).mappings().all()
-        return [dict(r) for r in rows]
+        return plan_store.claim_steps(session, node_id, agent, lease_s=LEASE_S, limit=limit, busy=busy)
 
 
 def test_queries_file_has_the_documented_queries() -> None:
@@ -73,6 +73,15 @@ def test_claim_gives_each_step_once_with_increasing_fences(cluster_engine: Engin
     assert first[0]["fence"] < rest[0]["fence"]
     assert claim(cluster_engine, agent, "train-0", clock()) == []
     assert claim(cluster_engine, agent, "roll-0", clock()) == []  # other nodes' steps only
+
+
+def test_a_claim_passes_over_the_busy_workers_steps_only(cluster_engine: Engine, clock) -> None:
+    agent, steps = make_plan(cluster_engine, "train-0")
+    with transaction(cluster_engine) as session:
+        workers = dict(session.execute(text("SELECT id, worker_id FROM plan_steps")).all())
+    busy = workers[steps[0]]
+    assert [r["id"] for r in claim(cluster_engine, agent, "train-0", clock(), busy=(busy,))] == steps[1:]
+    assert [r["id"] for r in claim(cluster_engine, agent, "train-0", clock())] == steps[:1]  # no longer busy
 
 
 def test_concurrent_claimers_never_take_a_step_twice(cluster_engine: Engine, clock) -> None:

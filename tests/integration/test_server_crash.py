@@ -18,7 +18,6 @@ from pearl.controlplane.core.domain import Role
 from pearl.controlplane.core.fleet import Target
 from pearl.controlplane.store import crashes, plan_store
 from pearl.controlplane.store.db import transaction
-from pearl.controlplane.store.queries import query
 from plan_support import propose
 from sqlalchemy import Engine, text
 from weights_support import LiveFleet, bring_up, wait_for
@@ -162,8 +161,7 @@ def test_the_rows_refuse_a_crash_that_does_not_match_what_was_seen(live: LiveFle
     plan_store.apply(live.engine, plan_id)
     with transaction(live.engine) as s:
         node_id, agent_id = s.execute(text("SELECT node_id, max(id) FROM agents GROUP BY node_id")).one()
-        claimed = s.execute(query("claim_steps"), {"node_id": node_id, "agent_id": agent_id, "lease_s": 60,
-                                                   "limit": 8}).mappings().all()
+        claimed = plan_store.claim_steps(s, node_id, agent_id, lease_s=60, limit=8)
     assert [r["worker_id"] for r in claimed] == [2]
     with transaction(live.engine) as s:
         assert crashes.serving(s, "node-a") == [seen[1]]
@@ -206,8 +204,7 @@ def test_a_worker_a_step_is_at_work_on_is_not_out_of_service_for_the_watch(live:
     plan_store.apply(live.engine, plan_id)
     with transaction(live.engine) as s:
         node_id, agent_id = s.execute(text("SELECT node_id, max(id) FROM agents GROUP BY node_id")).one()
-        claimed = s.execute(query("claim_steps"), {"node_id": node_id, "agent_id": agent_id, "lease_s": 60,
-                                                   "limit": 8}).mappings().all()
+        claimed = plan_store.claim_steps(s, node_id, agent_id, lease_s=60, limit=8)
     assert [(r["worker_id"], r["action"]) for r in claimed] == [(2, "start")]
     with transaction(live.engine) as s:  # the start deals with the server it finds
         assert crashes.out_of_service(s, "node-a", [1, 2]) == []
@@ -240,8 +237,8 @@ def test_the_watch_registers_again_the_serving_workers_a_restarted_front_door_do
 
 
 def test_no_step_of_a_worker_runs_while_the_watch_registers_it_again(live: LiveFleet) -> None:
-    """The agent holds a worker aside for the watch only while no step of it is in hand; a step claimed
-    meanwhile is handed back, and enacted once the worker is no longer aside."""
+    """The agent holds a worker aside for the watch only while no step of it is in hand; a step of it that
+    becomes ready meanwhile is left unclaimed, and enacted once the worker is no longer aside."""
     door = RecordingFrontDoor()
     live.start_agent("node-a", crash_after_s=60.0, front_door=lambda: door)
     agent = live.agents[0][0]
@@ -260,7 +257,9 @@ def test_no_step_of_a_worker_runs_while_the_watch_registers_it_again(live: LiveF
         assert held
         plan_id = propose(live.engine, Target(frozenset({1}), {Role.COLOCATED: 1}, reason="test"))
         plan_store.apply(live.engine, plan_id)  # worker 2 leaves service: its drain must wait
-        wait_for(lambda: _handed_back(live, 2), 30, "the drain of worker 2 claimed and handed back")
+        wait_for(lambda: _drain_ready(live, 2), 30, "the drain of worker 2 ready")
+        time.sleep(1.0)  # the agent claims every poll_s, and at once on the plan's NOTIFY
+        assert _drain_ready(live, 2) == (0, None)  # never claimed
         assert worker(live.engine, 2)["activity"] == "active" and endpoint in door.listing
     live.wait_plan(plan_id, 60)
     assert worker(live.engine, 2)["activity"] == "inactive"
@@ -323,10 +322,12 @@ def test_the_front_door_is_asked_what_it_lists_at_each_new_start_and_every_relis
     assert watch.register_missing() == [] and door.asked == 3
 
 
-def _handed_back(live: LiveFleet, worker_id: int) -> bool:
+def _drain_ready(live: LiveFleet, worker_id: int) -> tuple[int, str | None] | None:
+    """(attempts, error) of the worker's ready drain step; None while it has none."""
     with transaction(live.engine) as s:
-        return bool(s.scalar(text("SELECT count(*) FROM plan_steps WHERE worker_id = :w AND action = 'drain' "
-                                  "AND status = 'ready' AND error = 'handed back by its agent'"), {"w": worker_id}))
+        row = s.execute(text("SELECT attempts, error FROM plan_steps WHERE worker_id = :w AND action = 'drain' "
+                             "AND status = 'ready'"), {"w": worker_id}).first()
+    return None if row is None else (row.attempts, row.error)
 
 
 def _alive(pid: int) -> bool:

@@ -284,8 +284,7 @@ def test_leases_come_from_the_databases_clock(cluster_engine: Engine) -> None:
     plan_store.apply(cluster_engine, plan_id)
     with transaction(cluster_engine) as session:
         db_now = session.scalar(text("SELECT clock_timestamp()"))
-        rows = session.execute(query("claim_steps"), {"node_id": 1, "agent_id": None, "lease_s": 30,
-                                                      "limit": 10}).mappings().all()
+        rows = plan_store.claim_steps(session, 1, None, lease_s=30, limit=10)
     assert rows and all(abs((r["lease_until"] - db_now - timedelta(seconds=30)).total_seconds()) < 5 for r in rows)
 
 
@@ -298,8 +297,7 @@ def test_a_claim_made_while_another_step_is_reported_still_takes_its_ready_step(
     with transaction(cluster_engine) as session:
         pin_clock(session, clock())
         node = session.scalar(text("SELECT id FROM nodes WHERE name = 'train-0'"))
-        (w1,) = session.execute(query("claim_steps"), {"node_id": node, "agent_id": None, "lease_s": 30,
-                                                       "limit": 1}).mappings().all()
+        (w1,) = plan_store.claim_steps(session, node, None, lease_s=30, limit=1)
     reporting, done = threading.Event(), threading.Event()
 
     def report_slowly() -> None:  # the report of w1's step, held open before its commit

@@ -8,7 +8,9 @@
 -- running step per worker). Only steps of the applying plan, whose row is read under a key-share
 -- lock: a plan being failed or aborted at this moment (its row locked FOR UPDATE) is skipped, and its
 -- steps are cancelled, never run; a report in progress (FOR NO KEY UPDATE) is passed, not skipped.
--- Barriers are never claimed (they succeed in the database).
+-- Barriers are never claimed (they succeed in the database). Nor are the steps of :busy workers, those
+-- the agent is still at work on (a thread of a lapsed claim, the server watch): they wait their turn
+-- without holding back the other workers' steps.
 WITH clock AS (SELECT pearl_now() AS now),
 ready AS (
     SELECT s.id, row_number() OVER (PARTITION BY s.worker_id ORDER BY s.plan_id, s.id) AS nth
@@ -16,6 +18,7 @@ ready AS (
     JOIN plans p ON p.id = s.plan_id AND p.status = 'applying'  -- a step left ready elsewhere blocks nothing
     WHERE s.node_id = :node_id AND s.status = 'ready' AND s.action <> 'barrier'
       AND NOT EXISTS (SELECT 1 FROM plan_steps r WHERE r.worker_id = s.worker_id AND r.status = 'running')
+      AND NOT (s.worker_id = ANY(CAST(:busy AS bigint[])))
 ), c AS (
     SELECT s.id
     FROM plan_steps s
