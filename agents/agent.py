@@ -2,9 +2,11 @@
 
 Stateless: everything it needs is in the rows and in its driver's run directory, so it can be killed
 at any instant and a new one carries on. The loop:
-- registers an `agents` row, heartbeats it every `heartbeat_s` (the database's clock), and renews the
-  lease of every step in hand; a renewal that finds the claim lost, or the plan no longer applying,
-  stops that step;
+- registers an `agents` row (refused while another agent of the node is alive: `NodeTaken`),
+  heartbeats it every `heartbeat_s` (the database's clock), and renews the lease of every step in
+  hand; a renewal that finds the claim lost, or the plan no longer applying, stops that step; a
+  heartbeat that finds a newer agent of the node (this one was silent long enough to be replaced)
+  stops the agent, and `run` raises `NodeTaken` once it has;
 - wakes on NOTIFY (`pearl_steps` for its node, `pearl_plans`), and polls every `poll_s` anyway: the
   rows are the truth, a notification only a hint;
 - claims up to `max_steps` ready steps of its node in one statement (`claim_steps`, SKIP LOCKED, at
@@ -40,7 +42,7 @@ from pearl.agents.drivers.base import Driver
 from pearl.agents.server_watch import ServerWatch
 from pearl.agents.steps import HANDLERS, FrontDoorAPI, ServerAPI, StepCancelled, StepContext, Timeouts
 from pearl.controlplane.core.domain import PlanStatus, StepStatus
-from pearl.controlplane.errors import ClaimLost, DatabaseUnavailable, PearlError
+from pearl.controlplane.errors import ClaimLost, DatabaseUnavailable, NodeTaken, PearlError
 from pearl.controlplane.store import agent_registry, plan_store, reaper, step_effects
 from pearl.controlplane.store.db import transaction
 from pearl.controlplane.store.notifications import listen
@@ -77,7 +79,8 @@ class Agent:
         self.client = client
         self.front_door = front_door
         self.registration: agent_registry.Registration | None = None
-        self.holder = f"{socket.gethostname()}:{os.getpid()}:{config.node}"
+        self.superseded: NodeTaken | None = None  # a newer agent took the node over: this one stopped
+        self.holder = agent_registry.holder_name(socket.gethostname(), os.getpid(), config.node)
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._plan_changed = threading.Event()
@@ -97,7 +100,8 @@ class Agent:
         """Register, then loop until `stop()`."""
         c = self.config
         self.registration = agent_registry.register_agent(self.engine, c.node, host=socket.gethostname(),
-                                                          pid=os.getpid(), driver=c.driver)
+                                                          pid=os.getpid(), driver=c.driver,
+                                                          agent_timeout_s=c.agent_timeout_s)
         log.info("agent %s started on node %s (driver %s)", self.registration.agent_id, c.node, c.driver,
                  extra={"action": "start_agent"})
         listener = threading.Thread(target=self._listen, name=f"listen-{c.node}", daemon=True)
@@ -117,6 +121,10 @@ class Agent:
                         self._reap()
                         next_reap = now + c.reap_every_s
                     self._claim()
+                except NodeTaken as exc:  # a newer agent runs the node: leave it to that one
+                    log.error("%s; stopping", exc, extra={"action": "superseded"})
+                    self.superseded = exc
+                    self.stop()
                 except DatabaseUnavailable as exc:  # keep trying: the steps in hand keep their leases for a while
                     log.warning("database unavailable: %s", exc, extra={"action": "database_unavailable"})
                 except Exception as exc:  # a deadlock, a refused change: the rows are the truth, look again
@@ -126,12 +134,19 @@ class Agent:
                 self._wake.clear()
         finally:
             self._shutdown()
+        if self.superseded is not None:
+            raise self.superseded
 
     def _shutdown(self) -> None:
         c = self.config
         deadline = time.monotonic() + c.grace_s
-        while self._in_hand and time.monotonic() < deadline:
-            self._heartbeat()
+        while self._in_hand and time.monotonic() < deadline and self.superseded is None:
+            try:
+                self._heartbeat()
+            except NodeTaken as exc:  # the newer agent redoes what the steps in hand leave undone
+                self.superseded = exc
+            except PearlError as exc:  # the database away: the grace still runs out
+                log.warning("heartbeat: %s", exc)
             time.sleep(min(0.1, c.heartbeat_s))
         with self._lock:
             left = list(self._in_hand.values())
@@ -149,7 +164,7 @@ class Agent:
 
     def _heartbeat(self) -> None:
         assert self.registration is not None
-        agent_registry.heartbeat(self.engine, self.registration.agent_id)
+        agent_registry.heartbeat(self.engine, self.registration.agent_id, self.config.agent_timeout_s)
         with self._lock:
             in_hand = list(self._in_hand.values())
         for ctx in in_hand:

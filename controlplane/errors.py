@@ -23,6 +23,10 @@ class DatabaseUnavailable(PearlError):
     """The database does not answer."""
 
 
+class NodeTaken(PearlError):
+    """Another agent runs this node."""
+
+
 class StalePlan(PearlError):
     """The plan was computed against a state that has moved on."""
 

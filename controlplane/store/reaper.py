@@ -22,6 +22,7 @@ from datetime import datetime
 
 from pearl.controlplane.core.domain import Activity, PlanStatus
 from pearl.controlplane.store import plan_store, signals
+from pearl.controlplane.store.agent_registry import DEFAULT_AGENT_TIMEOUT_S
 from pearl.controlplane.store.db import transaction
 from pearl.controlplane.store.queries import query
 from pearl.controlplane.store.schema import Agent, Plan, Worker
@@ -30,7 +31,6 @@ from sqlalchemy import Engine, func, select, text, update
 
 REAPER_LOCK = 0x7065_6172_72  # advisory lock key: one reaper pass at a time
 DEFAULT_MAX_ATTEMPTS = 3
-DEFAULT_AGENT_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)

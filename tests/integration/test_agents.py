@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import socket
+import subprocess
+import sys
 import threading
 import time
 from collections import Counter
@@ -17,8 +21,8 @@ from pearl.agents.drivers.base import DriverError
 from pearl.agents.steps import Timeouts
 from pearl.controlplane.core.domain import Activity, GPUState, PlanStatus, Role
 from pearl.controlplane.core.fleet import Target
-from pearl.controlplane.errors import IllegalTransition
-from pearl.controlplane.store import plan_store
+from pearl.controlplane.errors import IllegalTransition, NodeTaken
+from pearl.controlplane.store import agent_registry, plan_store
 from pearl.controlplane.store.db import transaction
 from pearl.controlplane.store.fleet_status import read_fleet_status
 from pearl.controlplane.store.schema import GPU, Worker
@@ -57,7 +61,7 @@ class Fleet:
         config = AgentConfig(node=node, driver="fake", **{**FAST, **overrides})  # type: ignore[arg-type]
         driver = self.drivers.setdefault(node, FakeDriver(self.servers, node))
         agent = Agent(self.engine, config, driver, client=self.servers.client, front_door=lambda: self.front_door)
-        thread = threading.Thread(target=agent.run, name=f"agent-{node}", daemon=True)
+        thread = threading.Thread(target=_run, args=(agent,), name=f"agent-{node}", daemon=True)
         thread.start()
         self.agents.append((agent, thread))
         return agent
@@ -68,6 +72,11 @@ class Fleet:
         for _, thread in self.agents:
             thread.join(timeout=30)
             assert not thread.is_alive()
+
+
+def _run(agent: Agent) -> None:
+    with contextlib.suppress(NodeTaken):  # superseded: `agent.superseded` says so
+        agent.run()
 
 
 @pytest.fixture
@@ -133,7 +142,9 @@ def test_an_agent_that_dies_mid_step_is_rescued_and_the_step_takes_effect_once(f
     # the agent dies (SIGKILL-like: no hand-back, no report): it stops heartbeating and renewing
     dead._heartbeat = lambda: None  # type: ignore[method-assign]
     dead._stop.set()
-    # another agent of the node takes over once the claim's lease has run out
+    # another agent of the node takes over once the dead one has been silent for agent_timeout_s and
+    # the claim's lease has run out
+    _wait_for(lambda: _silent(fleet.engine, dead, FAST["agent_timeout_s"]))
     fleet.start("node-a")
     _wait_for(lambda: _step(fleet.engine, plan_id, "w1.start")["attempts"] == 2, timeout_s=15)
     fleet.servers.hang_launch.clear()
@@ -325,6 +336,84 @@ def test_a_step_claimed_in_the_instant_its_worker_is_held_aside_is_handed_back(
     summary = plan_store.wait_plan(fleet.engine, plan_id, timeout_s=30, poll_s=0.05)
     assert summary["status"] == "succeeded", summary["error"]
     assert fleet.servers.launches == 1
+
+
+def test_a_second_agent_of_a_node_is_refused_while_the_first_is_alive(fleet: Fleet, database_url: str,
+                                                                      tmp_path) -> None:
+    from pearl.cli.app import app
+    from typer.testing import CliRunner
+
+    first = fleet.start("node-a")
+    _wait_for(lambda: first.registration is not None)
+    second = Agent(fleet.engine, AgentConfig(node="node-a", driver="fake", **FAST),  # type: ignore[arg-type]
+                   fleet.drivers["node-a"], client=fleet.servers.client, front_door=lambda: fleet.front_door)
+    with pytest.raises(NodeTaken, match=rf"--node: node 'node-a' already has a running agent \(agent "
+                                        rf"{first.registration.agent_id}, pid {os.getpid()} on"):
+        second.run()
+    env = {"PEARL_DATABASE_URL": database_url, "PEARL_HOME": str(tmp_path)}
+    refused = CliRunner().invoke(app, ["agent", "--node", "node-a", "--driver", "sim"], env=env)
+    assert refused.exit_code == 1 and "--node: node 'node-a' already has a running agent" in refused.output
+    assert _agent_rows(fleet.engine) == [(first.registration.agent_id, None)]  # nothing written
+    fleet.start("node-b")  # another node's agent is welcome
+    _wait_for(lambda: len(_agent_rows(fleet.engine)) == 2)
+
+
+def test_an_agent_of_this_host_whose_process_is_gone_is_replaced_at_once(fleet: Fleet) -> None:
+    """Killed an instant ago (its heartbeat fresh) while it held a step for an hour and led the reaper:
+    the new agent starts at once and carries the step on without waiting for either lease."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    host = socket.gethostname()
+    with transaction(fleet.engine) as session:
+        dead = session.execute(text("INSERT INTO agents (node_id, host, pid, driver) SELECT id, :h, :p, 'fake' "
+                                    "FROM nodes WHERE name = 'node-a' RETURNING id"), {"h": host, "p": gone.pid}
+                               ).scalar_one()
+        elsewhere = session.execute(text(  # the same pid on another host: alive as far as we can tell
+            "INSERT INTO agents (node_id, host, pid, driver) SELECT id, 'elsewhere', :p, 'fake' "
+            "FROM nodes WHERE name = 'node-b' RETURNING id"), {"p": gone.pid}).scalar_one()
+    plan_id = propose(fleet.engine, Target(frozenset({1}), {Role.COLOCATED: 1}))
+    plan_store.apply(fleet.engine, plan_id)
+    with transaction(fleet.engine) as session:
+        node_a = session.scalar(text("SELECT id FROM nodes WHERE name = 'node-a'"))
+        (held,) = plan_store.claim_steps(session, node_a, dead, lease_s=3600, limit=8)
+    its_name = agent_registry.holder_name(host, gone.pid, "node-a")
+    assert agent_registry.hold_leader_lease(fleet.engine, "reaper", its_name, ttl_s=3600)
+    agent = fleet.start("node-a")
+    summary = plan_store.wait_plan(fleet.engine, plan_id, timeout_s=30, poll_s=0.05)
+    assert summary["status"] == "succeeded", summary["error"]
+    again = _step(fleet.engine, plan_id, held["key"])
+    assert again["claimed_by"] == agent.registration.agent_id and again["fence"] > held["fence"]
+    rows = _agent_rows(fleet.engine)
+    assert rows == [(dead, "stopped"), (elsewhere, None), (agent.registration.agent_id, None)]
+    with pytest.raises(NodeTaken, match="pid .* on elsewhere"):
+        agent_registry.register_agent(fleet.engine, "node-b", host=host, pid=os.getpid(), driver="fake")
+
+
+def test_an_agent_replaced_while_it_was_silent_stops_at_its_next_heartbeat(fleet: Fleet) -> None:
+    old = fleet.start("node-a")
+    _wait_for(lambda: old.registration is not None)
+    with transaction(fleet.engine) as session:  # it was silent so long (a long pause, a partition)...
+        session.execute(text("UPDATE agents SET heartbeat_at = pearl_now() - interval '1 hour'"))
+    # ...that a new agent took the node over
+    newer = agent_registry.register_agent(fleet.engine, "node-a", host="another-host", pid=1, driver="fake",
+                                          agent_timeout_s=FAST["agent_timeout_s"])
+    agent, thread = fleet.agents.pop()
+    thread.join(timeout=10)
+    assert not thread.is_alive() and isinstance(old.superseded, NodeTaken)
+    assert f"superseded by a newer agent of its node (agent {newer.agent_id}" in str(old.superseded)
+    assert _agent_rows(fleet.engine) == [(old.registration.agent_id, "stopped"), (newer.agent_id, None)]
+
+
+def _agent_rows(engine: Engine) -> list[tuple[int, str | None]]:
+    with engine.connect() as conn:
+        return [(i, None if stopped is None else "stopped") for i, stopped in conn.execute(
+            text("SELECT id, stopped_at FROM agents ORDER BY id"))]
+
+
+def _silent(engine: Engine, agent: Agent, for_s: float) -> bool:
+    with engine.connect() as conn:
+        return bool(conn.execute(text("SELECT heartbeat_at < pearl_now() - make_interval(secs => :s) FROM agents "
+                                      "WHERE id = :a"), {"s": for_s, "a": agent.registration.agent_id}).scalar())
 
 
 def _claim_passes(agent: Agent) -> list[int]:
