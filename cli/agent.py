@@ -58,9 +58,12 @@ def agent(
         the_agent = Agent(engine, AgentConfig(node=node, driver=driver, lease_s=lease, poll_s=poll,
                                               max_steps=max_steps, crash_after_s=crash_after),
                           the_driver, client=_client, front_door=lambda: _front_door(engine))
-        signal.signal(signal.SIGTERM, lambda *_: the_agent.stop())
-        signal.signal(signal.SIGINT, lambda *_: the_agent.stop())
-        the_agent.run()
+        handlers = {sig: signal.signal(sig, lambda *_: the_agent.stop()) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            the_agent.run()
+        finally:
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
     finally:
         engine.dispose()
 

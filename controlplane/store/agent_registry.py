@@ -56,7 +56,7 @@ def register_agent(engine: Engine, node: str, *, host: str, pid: int, driver: st
             raise BadInput(f"--node: no node named {node!r} in the inventory{hint}")
         _lock_node_agents(session, row.id)
         for other in _alive_agents(session, row.id, agent_timeout_s):
-            if other.host == host and other.pid != pid and not alive(other.pid):  # killed: its row says no more
+            if other.host == host and _gone_process(other, pid, alive):  # killed: its row says no more
                 _gone(session, other.id, holder_name(other.host, other.pid, node))
                 continue
             raise NodeTaken(f"--node: node {node!r} already has a running agent ({_who(other)}); stop it first, "
@@ -64,6 +64,7 @@ def register_agent(engine: Engine, node: str, *, host: str, pid: int, driver: st
         agent = Agent(node_id=row.id, host=host, pid=pid, driver=driver)
         session.add(agent)
         session.flush()
+        _REGISTERED_HERE.add((agent.id, session.scalar(select(Agent.started_at).where(Agent.id == agent.id))))
         return Registration(agent.id, row.id, node, row.address)
 
 
@@ -84,6 +85,18 @@ def heartbeat(engine: Engine, agent_id: int, agent_timeout_s: float = DEFAULT_AG
             session.execute(text("SELECT set_config('pearl.actor', :a, true)"), {"a": f"agent {agent_id}"})
             session.execute(update(Worker).where(Worker.node_id == node_id, Worker.unreachable_since.is_not(None))
                             .values(unreachable_since=None).execution_options(synchronize_session=False))
+
+
+_REGISTERED_HERE: set[tuple[int, object]] = set()  # (id, started_at) of the agents this process registered
+
+
+def _gone_process(other: object, pid: int, alive: Callable[[int], bool]) -> bool:
+    """Whether the agent `other` of this host no longer runs: its pid is gone, or it is this process's
+    own pid without being one of its agents (a restarted container's agent keeps pid 1, say)."""
+    their = other.pid  # type: ignore[attr-defined]
+    if their == pid:
+        return (other.id, other.started_at) not in _REGISTERED_HERE  # type: ignore[attr-defined]
+    return not alive(their)
 
 
 def holder_name(host: str, pid: int, node: str) -> str:
@@ -119,7 +132,7 @@ def _lock_node_agents(session: Session, node_id: int) -> None:
 
 def _alive_agents(session: Session, node_id: int, timeout_s: float) -> list:
     return list(session.execute(text(
-        "SELECT id, host, pid, extract(epoch FROM pearl_now() - heartbeat_at) AS age_s FROM agents "
+        "SELECT id, host, pid, started_at, extract(epoch FROM pearl_now() - heartbeat_at) AS age_s FROM agents "
         "WHERE node_id = :n AND stopped_at IS NULL AND heartbeat_at >= pearl_now() - make_interval(secs => :t) "
         "ORDER BY id"), {"n": node_id, "t": timeout_s}))
 

@@ -345,7 +345,8 @@ def test_a_second_agent_of_a_node_is_refused_while_the_first_is_alive(fleet: Fle
 
     first = fleet.start("node-a")
     _wait_for(lambda: first.registration is not None)
-    second = Agent(fleet.engine, AgentConfig(node="node-a", driver="fake", **FAST),  # type: ignore[arg-type]
+    second = Agent(fleet.engine, AgentConfig(node="node-a", driver="fake",  # type: ignore[arg-type]
+                                             **{**FAST, "agent_timeout_s": 60.0}),
                    fleet.drivers["node-a"], client=fleet.servers.client, front_door=lambda: fleet.front_door)
     with pytest.raises(NodeTaken, match=rf"--node: node 'node-a' already has a running agent \(agent "
                                         rf"{first.registration.agent_id}, pid {os.getpid()} on"):
@@ -378,7 +379,7 @@ def test_an_agent_of_this_host_whose_process_is_gone_is_replaced_at_once(fleet: 
         (held,) = plan_store.claim_steps(session, node_a, dead, lease_s=3600, limit=8)
     its_name = agent_registry.holder_name(host, gone.pid, "node-a")
     assert agent_registry.hold_leader_lease(fleet.engine, "reaper", its_name, ttl_s=3600)
-    agent = fleet.start("node-a")
+    agent = fleet.start("node-a", agent_timeout_s=60.0)  # the rows above stay alive meanwhile
     summary = plan_store.wait_plan(fleet.engine, plan_id, timeout_s=30, poll_s=0.05)
     assert summary["status"] == "succeeded", summary["error"]
     again = _step(fleet.engine, plan_id, held["key"])
@@ -389,14 +390,29 @@ def test_an_agent_of_this_host_whose_process_is_gone_is_replaced_at_once(fleet: 
         agent_registry.register_agent(fleet.engine, "node-b", host=host, pid=os.getpid(), driver="fake")
 
 
+def test_a_restarted_container_agent_with_its_old_pid_replaces_its_dead_self(fleet: Fleet) -> None:
+    """In a container the agent is pid 1 at every start: a row of this host with this pid that this
+    process did not register is a previous incarnation, gone."""
+    with transaction(fleet.engine) as session:
+        before = session.execute(text("INSERT INTO agents (node_id, host, pid, driver) SELECT id, :h, :p, 'fake' "
+                                      "FROM nodes WHERE name = 'node-a' RETURNING id"),
+                                 {"h": socket.gethostname(), "p": os.getpid()}).scalar_one()
+    registration = agent_registry.register_agent(fleet.engine, "node-a", host=socket.gethostname(),
+                                                 pid=os.getpid(), driver="fake", agent_timeout_s=60.0)
+    assert _agent_rows(fleet.engine) == [(before, "stopped"), (registration.agent_id, None)]
+
+
 def test_an_agent_replaced_while_it_was_silent_stops_at_its_next_heartbeat(fleet: Fleet) -> None:
-    old = fleet.start("node-a")
-    _wait_for(lambda: old.registration is not None)
+    old = fleet.start("node-a", heartbeat_s=3600.0)  # it beats once, at its start
+    _wait_for(lambda: old.registration is not None and _agent_rows(fleet.engine) != [])
+    time.sleep(0.5)
     with transaction(fleet.engine) as session:  # it was silent so long (a long pause, a partition)...
         session.execute(text("UPDATE agents SET heartbeat_at = pearl_now() - interval '1 hour'"))
     # ...that a new agent took the node over
     newer = agent_registry.register_agent(fleet.engine, "node-a", host="another-host", pid=1, driver="fake",
                                           agent_timeout_s=FAST["agent_timeout_s"])
+    old._plan_changed.set()  # its next heartbeat, now
+    old._wake.set()
     agent, thread = fleet.agents.pop()
     thread.join(timeout=10)
     assert not thread.is_alive() and isinstance(old.superseded, NodeTaken)
