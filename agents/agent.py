@@ -61,7 +61,7 @@ class AgentConfig:
     heartbeat_s: float = 2.0
     max_steps: int = 8  # steps enacted at once (on distinct workers)
     reap_every_s: float = 5.0
-    agent_timeout_s: float = 30.0  # the reaper treats an agent silent this long as gone
+    agent_timeout_s: float = agent_registry.DEFAULT_AGENT_TIMEOUT_S  # silent this long: gone (the reaper)
     max_attempts: int = 3  # claims of one step that may expire before it fails
     grace_s: float = 20.0  # SIGTERM: how long the steps in hand may take before they are handed back
     watch_s: float = 2.0  # how often the servers of active workers are looked at

@@ -19,7 +19,6 @@ expires unless renewed (`hold_leader_lease`); every time comes from the database
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from pearl.controlplane.errors import BadInput, NodeTaken
@@ -42,12 +41,10 @@ class Registration:
 
 
 def register_agent(engine: Engine, node: str, *, host: str, pid: int, driver: str,
-                   agent_timeout_s: float = DEFAULT_AGENT_TIMEOUT_S,
-                   alive: Callable[[int], bool] | None = None) -> Registration:
+                   agent_timeout_s: float = DEFAULT_AGENT_TIMEOUT_S) -> Registration:
     """A new `agents` row for this process on `node`. BadInput (naming --node) for an unknown node;
-    NodeTaken while another agent of the node is alive (`alive(pid)` tells whether a process of this
-    host runs: one gone is marked stopped instead)."""
-    alive = alive or process_alive
+    NodeTaken while another agent of the node is alive (one of this host whose process is gone is
+    marked stopped instead)."""
     with transaction(engine, actor=f"agent {node}", reason="agent start") as session:
         row = session.execute(select(Node.id, Node.address).where(Node.name == node)).first()
         if row is None:
@@ -56,7 +53,7 @@ def register_agent(engine: Engine, node: str, *, host: str, pid: int, driver: st
             raise BadInput(f"--node: no node named {node!r} in the inventory{hint}")
         _lock_node_agents(session, row.id)
         for other in _alive_agents(session, row.id, agent_timeout_s):
-            if other.host == host and _gone_process(other, pid, alive):  # killed: its row says no more
+            if other.host == host and _gone_process(other, pid):  # killed: its row says no more
                 _gone(session, other.id, holder_name(other.host, other.pid, node))
                 continue
             raise NodeTaken(f"--node: node {node!r} already has a running agent ({_who(other)}); stop it first, "
@@ -90,13 +87,13 @@ def heartbeat(engine: Engine, agent_id: int, agent_timeout_s: float = DEFAULT_AG
 _REGISTERED_HERE: set[tuple[int, object]] = set()  # (id, started_at) of the agents this process registered
 
 
-def _gone_process(other: object, pid: int, alive: Callable[[int], bool]) -> bool:
+def _gone_process(other: object, pid: int) -> bool:
     """Whether the agent `other` of this host no longer runs: its pid is gone, or it is this process's
     own pid without being one of its agents (a restarted container's agent keeps pid 1, say)."""
     their = other.pid  # type: ignore[attr-defined]
     if their == pid:
         return (other.id, other.started_at) not in _REGISTERED_HERE  # type: ignore[attr-defined]
-    return not alive(their)
+    return not process_alive(their)
 
 
 def holder_name(host: str, pid: int, node: str) -> str:
