@@ -25,7 +25,8 @@ from weights_support import LiveFleet, bring_up, snapshot, sync_rows, version_mo
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture(params=["redis", "amqp"])
+# The RabbitMQ tests share one xdist worker: queues are named after the nodes, the same in every test.
+@pytest.fixture(params=["redis", pytest.param("amqp", marks=pytest.mark.xdist_group("rabbitmq"))])
 def broker(request: pytest.FixtureRequest) -> str:
     return request.getfixturevalue("broker_url" if request.param == "redis" else "amqp_url")
 
