@@ -75,10 +75,8 @@ def reap(engine: Engine, *, max_attempts: int = DEFAULT_MAX_ATTEMPTS,
                 failed.append((plan_id, progress.cleanup))
             elif progress.status is PlanStatus.SUCCEEDED:
                 finished.append(plan_id)
-        silent = session.execute(query("silent_agents"), {"timeout_s": agent_timeout_s}).all()
-        if silent:
-            session.execute(update(Agent).where(Agent.id.in_([a.id for a in silent]))
-                            .values(stopped_at=func.pearl_now()))
+        silent = sorted(session.execute(query("stop_silent_agents"), {"timeout_s": agent_timeout_s}).all(),
+                        key=lambda a: a.id)  # marked stopped
         live_nodes = select(Agent.node_id).where(Agent.stopped_at.is_(None))
         unreachable = session.scalars(
             update(Worker)

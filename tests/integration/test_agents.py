@@ -22,7 +22,7 @@ from pearl.agents.steps import Timeouts
 from pearl.controlplane.core.domain import Activity, GPUState, PlanStatus, Role
 from pearl.controlplane.core.fleet import Target
 from pearl.controlplane.errors import IllegalTransition, NodeTaken
-from pearl.controlplane.store import agent_registry, plan_store
+from pearl.controlplane.store import agent_registry, plan_store, reaper
 from pearl.controlplane.store.db import transaction
 from pearl.controlplane.store.fleet_status import read_fleet_status
 from pearl.controlplane.store.schema import GPU, Worker
@@ -418,6 +418,36 @@ def test_an_agent_replaced_while_it_was_silent_stops_at_its_next_heartbeat(fleet
     assert not thread.is_alive() and isinstance(old.superseded, NodeTaken)
     assert f"superseded by a newer agent of its node (agent {newer.agent_id}" in str(old.superseded)
     assert _agent_rows(fleet.engine) == [(old.registration.agent_id, "stopped"), (newer.agent_id, None)]
+
+
+@pytest.mark.reliability
+def test_a_heartbeat_committing_while_the_reaper_stops_silent_agents_keeps_its_agent(fleet: Fleet) -> None:
+    """The reaper finds an agent silent, but its heartbeat holds the row and commits: the agent was
+    alive, so it is neither stopped nor are its node's workers marked unreachable."""
+    with transaction(fleet.engine) as session:
+        agent_id = session.execute(text(
+            "INSERT INTO agents (node_id, host, pid, driver, heartbeat_at) SELECT id, 'elsewhere', 1, 'fake', "
+            "pearl_now() - interval '1 hour' FROM nodes WHERE name = 'node-a' RETURNING id")).scalar_one()
+    beat = fleet.engine.connect()
+    beat.begin()
+    beat.execute(text("UPDATE agents SET heartbeat_at = pearl_now() WHERE id = :a"), {"a": agent_id})
+    reports: list[reaper.ReapReport] = []
+    passing = threading.Thread(target=lambda: reports.append(reaper.reap(fleet.engine, agent_timeout_s=30.0)))
+    passing.start()
+    try:
+        _wait_for(lambda: _waiting_on_a_lock(fleet.engine))  # the pass found it silent and waits for its row
+    finally:
+        beat.commit()
+        beat.close()
+        passing.join(timeout=30)
+    assert reports and reports[0].silent_agents == () and reports[0].unreachable_workers == ()
+    assert _agent_rows(fleet.engine) == [(agent_id, None)]
+
+
+def _waiting_on_a_lock(engine: Engine) -> bool:
+    with engine.connect() as conn:
+        return bool(conn.execute(text("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                                      "AND wait_event_type = 'Lock'")).scalar())
 
 
 def _agent_rows(engine: Engine) -> list[tuple[int, str | None]]:
