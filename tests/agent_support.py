@@ -179,3 +179,10 @@ class FakeFrontDoor:
 
     def set_mode(self, mode: str) -> None:
         self.mode = mode
+
+    def started(self) -> None:
+        """Never restarted, so the server watch has nothing to register again (as with no front door)."""
+        return None
+
+    def listed(self) -> None:
+        return None
