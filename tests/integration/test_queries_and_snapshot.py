@@ -84,6 +84,18 @@ def test_a_claim_passes_over_the_busy_workers_steps_only(cluster_engine: Engine,
     assert [r["id"] for r in claim(cluster_engine, agent, "train-0", clock())] == steps[:1]  # no longer busy
 
 
+def test_an_agent_replaced_by_a_newer_one_of_its_node_claims_nothing(cluster_engine: Engine, clock) -> None:
+    agent, steps = make_plan(cluster_engine, "train-0")
+    with transaction(cluster_engine) as session:
+        newer = session.execute(text("INSERT INTO agents (node_id, host, pid) SELECT id, 'test', 2 FROM nodes "
+                                     "WHERE name = 'train-0' RETURNING id")).scalar_one()
+    assert claim(cluster_engine, agent, "train-0", clock()) == []
+    assert [r["id"] for r in claim(cluster_engine, newer, "train-0", clock(), limit=1)] == steps[:1]
+    with transaction(cluster_engine) as session:  # the newer one stopped: the older may claim again
+        session.execute(text("UPDATE agents SET stopped_at = pearl_now() WHERE id = :a"), {"a": newer})
+    assert [r["id"] for r in claim(cluster_engine, agent, "train-0", clock())] == steps[1:]
+
+
 def test_concurrent_claimers_never_take_a_step_twice(cluster_engine: Engine, clock) -> None:
     agent, steps = make_plan(cluster_engine, "train-0")
     taken: list[int] = []

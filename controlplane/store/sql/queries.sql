@@ -10,7 +10,8 @@
 -- steps are cancelled, never run; a report in progress (FOR NO KEY UPDATE) is passed, not skipped.
 -- Barriers are never claimed (they succeed in the database). Nor are the steps of :busy workers, those
 -- the agent is still at work on (a thread of a lapsed claim, the server watch): they wait their turn
--- without holding back the other workers' steps.
+-- without holding back the other workers' steps. An agent that a newer agent of its node replaced
+-- (it was silent that long) claims nothing: it stops at its next heartbeat.
 WITH clock AS (SELECT pearl_now() AS now),
 ready AS (
     SELECT s.id, row_number() OVER (PARTITION BY s.worker_id ORDER BY s.plan_id, s.id) AS nth
@@ -19,6 +20,7 @@ ready AS (
     WHERE s.node_id = :node_id AND s.status = 'ready' AND s.action <> 'barrier'
       AND NOT EXISTS (SELECT 1 FROM plan_steps r WHERE r.worker_id = s.worker_id AND r.status = 'running')
       AND NOT (s.worker_id = ANY(CAST(:busy AS bigint[])))
+      AND NOT EXISTS (SELECT 1 FROM agents b WHERE b.node_id = :node_id AND b.id > :agent_id AND b.stopped_at IS NULL)
 ), c AS (
     SELECT s.id
     FROM plan_steps s
