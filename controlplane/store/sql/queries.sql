@@ -135,11 +135,9 @@ RETURNING s.id, s.plan_id, s.status, s.attempts;
 -- Mark stopped the agents that have not heartbeaten for :timeout_s seconds and did not say they
 -- stopped; returns them. One statement: a heartbeat committing meanwhile (it holds the row) is seen
 -- when the row is re-read under its lock, and that agent is left alone.
-UPDATE agents a SET stopped_at = pearl_now()
-FROM nodes n
-WHERE n.id = a.node_id AND a.stopped_at IS NULL
-  AND a.heartbeat_at < pearl_now() - make_interval(secs => :timeout_s)
-RETURNING a.id, n.name AS node, a.node_id, a.host, a.pid, a.heartbeat_at;
+UPDATE agents SET stopped_at = pearl_now()
+WHERE stopped_at IS NULL AND heartbeat_at < pearl_now() - make_interval(secs => :timeout_s)
+RETURNING id, node_id;
 
 -- name: hold_leader_lease
 -- Take or renew the leadership :name for :ttl_s seconds: granted when nobody holds it, when its
