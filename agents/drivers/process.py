@@ -21,6 +21,7 @@ import socket
 import subprocess
 import time
 from collections import deque
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -55,6 +56,18 @@ def start_ticks(pid: int) -> int | None:
         return int(fields[19])
     except (OSError, IndexError, ValueError):
         return None
+
+
+def every_process(attrs: list[str]) -> Iterator[psutil.Process]:
+    """Every process running now, each with `info` (its `attrs`), read afresh. Not psutil's
+    `process_iter`: that reuses the Process objects of its last call, and once any check has found a
+    cached object's pid reused by a newer process, its next call skips that pid altogether, so a
+    server started under a recycled pid could be missed."""
+    for pid in psutil.pids():
+        with contextlib.suppress(psutil.Error):
+            proc = psutil.Process(pid)
+            proc.info = proc.as_dict(attrs)
+            yield proc
 
 
 def _alive(pid: int, started: float | None, children: dict[int, subprocess.Popen] | None = None,
@@ -183,7 +196,7 @@ class ProcessDriver:
         (its working directory is the run dir); the pids it killed."""
         tag, here = self._tag(worker_id), str(self.run_dir.resolve())
         found = []
-        for proc in psutil.process_iter(["pid", "cwd"]):
+        for proc in every_process(["cwd"]):
             with contextlib.suppress(psutil.Error):
                 if proc.info["cwd"] == here and proc.environ().get(TAG) == tag:
                     found.append(proc)

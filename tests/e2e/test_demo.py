@@ -16,6 +16,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from pearl.agents.drivers.process import every_process
 from plan_support import PEARLCTL, REPO
 
 pytestmark = pytest.mark.e2e
@@ -41,7 +42,7 @@ def _env(home: Path) -> dict[str, str]:
 def _leftovers(home: Path) -> list[str]:
     """Processes that belong to this demo (their command line or working directory is under its home)."""
     found = []
-    for p in psutil.process_iter(["pid", "cmdline", "cwd"]):
+    for p in every_process(["cmdline", "cwd"]):
         try:
             where = " ".join(p.info["cmdline"] or []) + " " + (p.info["cwd"] or "")
         except (psutil.Error, TypeError):

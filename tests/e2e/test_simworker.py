@@ -268,6 +268,22 @@ def test_a_server_whose_launcher_died_before_recording_it_is_killed_before_the_n
     assert driver.stop(15, grace_s=5)
 
 
+def test_a_server_without_a_record_is_found_under_a_pid_psutil_has_seen_reused(driver):
+    """psutil's process_iter keeps the Process objects of its last call; once a check finds a cached
+    object's pid taken by a newer process, its next call skips that pid. A server started under such a
+    recycled pid must still be found and killed before the worker's next launch."""
+    first = driver.launch(spec(16, Role.COLOCATED))
+    (driver.run_dir / "worker-16.json").unlink()
+    list(psutil.process_iter(["pid"]))  # psutil's cache: an older process once ran under the server's pid
+    older = psutil._pmap[first.pid]
+    older._create_time = older.create_time() - 100.0
+    older._ident = (older.pid, older._create_time)
+    assert not older.is_running()  # and a check has seen the pid reused
+    again = driver.launch(spec(16, Role.COLOCATED))
+    assert wait_gone([first.pid]) and again.pid != first.pid
+    assert driver.stop(16, grace_s=5)
+
+
 def test_sigkill_leaves_nothing_and_a_new_driver_adopts_running_servers(driver, tmp_path):
     a = driver.launch(spec(12, Role.COLOCATED))
     b = driver.launch(spec(13, Role.PREFILL))
