@@ -37,6 +37,7 @@ log = logging.getLogger("pearl.agent")
 LAUNCHED: dict[int, subprocess.Popen] = {}
 KILL_WAIT_S = 30.0  # a SIGKILLed server is gone within this, unless stuck in the kernel
 TAG = "PEARL_SERVER"  # in every server's environment: "<run dir>:<worker id>"
+EXEC_WAIT_S = 10.0  # a launch returns once its server shows its tag (the exec done), or after this
 
 
 def free_port(host: str = "") -> int:
@@ -56,6 +57,25 @@ def start_ticks(pid: int) -> int | None:
         return int(fields[19])
     except (OSError, IndexError, ValueError):
         return None
+
+
+def carries_tag(pid: int, tag: str, timeout_s: float) -> bool:
+    """Wait until `pid` shows `tag` in its environment; False if it exits first or `timeout_s` passes.
+    Popen returns once the exec has begun, but the kernel sets up the new program's environment a
+    moment later: until then /proc/<pid>/environ reads empty (9 launches in 300, read right after Popen
+    on two cores kept busy), and a scan by tag would miss the server."""
+    deadline = time.monotonic() + timeout_s
+    needle = f"{TAG}={tag}".encode()
+    while True:
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if needle in f.read().split(b"\0"):
+                    return True
+        except OSError:
+            return False
+        if not _alive(pid, None, LAUNCHED) or time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
 
 
 def every_process(attrs: list[str]) -> Iterator[psutil.Process]:
@@ -174,6 +194,9 @@ class ProcessDriver:
             proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL,
                                     stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=self.run_dir)
         self._children[proc.pid] = proc
+        if not carries_tag(proc.pid, env[TAG], EXEC_WAIT_S) and proc.poll() is None:
+            log.warning("worker %d: pid %d does not show its tag %s s after its launch", spec.worker_id, proc.pid,
+                        EXEC_WAIT_S)
         try:
             started = psutil.Process(proc.pid).create_time()
         except psutil.Error:

@@ -5,9 +5,11 @@ driver, and a launch that dies reported with its log."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -16,6 +18,7 @@ import httpx
 import psutil
 import pytest
 from pearl.agents.drivers.base import DriverError, WeightsRef
+from pearl.agents.drivers.process import TAG, carries_tag
 from pearl.agents.drivers.sim import SimDriver
 from pearl.agents.server_client import ServerClient
 from pearl.controlplane.core.catalog import default_catalog
@@ -260,12 +263,15 @@ def test_a_server_whose_launcher_died_before_recording_it_is_killed_before_the_n
     """SIGKILL between the launch and its record: the server runs untracked on the worker's GPUs; the
     worker's next launch finds it by its tag and kills it instead of starting a second one beside it."""
     first = driver.launch(spec(15, Role.COLOCATED))
-    (driver.run_dir / "worker-15.json").unlink()  # the record never written
-    assert driver.running(15) is None and psutil.pid_exists(first.pid)
-    again = driver.launch(spec(15, Role.COLOCATED))
-    assert wait_gone([first.pid]) and again.pid != first.pid
-    driver.wait_ready(again, 60)
-    assert driver.stop(15, grace_s=5)
+    try:
+        (driver.run_dir / "worker-15.json").unlink()  # the record never written
+        assert driver.running(15) is None and psutil.pid_exists(first.pid)
+        again = driver.launch(spec(15, Role.COLOCATED))
+        assert wait_gone([first.pid]) and again.pid != first.pid
+        driver.wait_ready(again, 60)
+        assert driver.stop(15, grace_s=5)
+    finally:
+        _kill_group(first.pid)
 
 
 def test_a_server_without_a_record_is_found_under_a_pid_psutil_has_seen_reused(driver):
@@ -273,15 +279,49 @@ def test_a_server_without_a_record_is_found_under_a_pid_psutil_has_seen_reused(d
     object's pid taken by a newer process, its next call skips that pid. A server started under such a
     recycled pid must still be found and killed before the worker's next launch."""
     first = driver.launch(spec(16, Role.COLOCATED))
-    (driver.run_dir / "worker-16.json").unlink()
-    list(psutil.process_iter(["pid"]))  # psutil's cache: an older process once ran under the server's pid
-    older = psutil._pmap[first.pid]
-    older._create_time = older.create_time() - 100.0
-    older._ident = (older.pid, older._create_time)
-    assert not older.is_running()  # and a check has seen the pid reused
-    again = driver.launch(spec(16, Role.COLOCATED))
-    assert wait_gone([first.pid]) and again.pid != first.pid
-    assert driver.stop(16, grace_s=5)
+    try:
+        (driver.run_dir / "worker-16.json").unlink()
+        list(psutil.process_iter(["pid"]))  # psutil's cache: an older process once ran under the server's pid
+        older = psutil._pmap[first.pid]
+        older._create_time = older.create_time() - 100.0
+        older._ident = (older.pid, older._create_time)
+        assert not older.is_running()  # and a check has seen the pid reused
+        again = driver.launch(spec(16, Role.COLOCATED))
+        assert wait_gone([first.pid]) and again.pid != first.pid
+        assert driver.stop(16, grace_s=5)
+    finally:
+        _kill_group(first.pid)
+
+
+def test_a_launch_returns_once_its_server_shows_its_tag():
+    """Popen returns once the exec has begun; the new program's environment, which carries the tag a
+    scan finds a server by, is set up a moment later. A launch waits for it."""
+    tag = "/run/node:1"
+    late = subprocess.Popen(["/bin/sh", "-c", f"sleep 0.3; exec env {TAG}={tag} sleep 30"])
+    try:  # a program whose environment shows the tag only 0.3 s after it started
+        started = time.monotonic()
+        assert carries_tag(late.pid, tag, 10.0)
+        assert time.monotonic() - started >= 0.25
+    finally:
+        late.kill()
+        late.wait()
+    exits = subprocess.Popen(["/bin/sh", "-c", "sleep 0.2"])
+    started = time.monotonic()
+    assert not carries_tag(exits.pid, tag, 10.0) and time.monotonic() - started < 5.0  # it exited first
+    exits.wait()
+    never = subprocess.Popen(["sleep", "30"])
+    try:
+        assert not carries_tag(never.pid, tag, 0.3)
+    finally:
+        never.kill()
+        never.wait()
+
+
+def _kill_group(pid: int) -> None:
+    """Whatever a failed assertion left running, gone."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+    wait_gone([pid])
 
 
 def test_sigkill_leaves_nothing_and_a_new_driver_adopts_running_servers(driver, tmp_path):
