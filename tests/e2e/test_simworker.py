@@ -293,9 +293,10 @@ def test_a_server_without_a_record_is_found_under_a_pid_psutil_has_seen_reused(d
         _kill_group(first.pid)
 
 
-def test_a_launch_returns_once_its_server_shows_its_tag():
-    """Popen returns once the exec has begun; the new program's environment, which carries the tag a
-    scan finds a server by, is set up a moment later. A launch waits for it."""
+def test_the_wait_for_a_tag_sees_a_late_environment_and_gives_up_on_an_exit_or_a_timeout():
+    """What a launch waits on before it returns (`carries_tag`): Popen returns once the exec has begun,
+    and the new program's environment, which carries the tag a scan finds a server by, is set up a
+    moment later."""
     tag = "/run/node:1"
     late = subprocess.Popen(["/bin/sh", "-c", f"sleep 0.3; exec env {TAG}={tag} sleep 30"])
     try:  # a program whose environment shows the tag only 0.3 s after it started
