@@ -12,6 +12,7 @@ import os
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 import warnings
 from collections.abc import Iterator
@@ -66,6 +67,23 @@ def postgres_dir(home: Path) -> Path:
     return home / "pg"
 
 
+SERVER_USER = "pgserver"  # the system user pgserver runs PostgreSQL as when started by root
+_USER_LOCK = Path(tempfile.gettempdir()) / "pearl-server-user.lock"  # one per machine: users are too
+
+
+def ensure_server_user(name: str = SERVER_USER) -> int | None:
+    """Under root, create the system user the server runs as, once per machine; its uid (None unless root).
+
+    pgserver creates it with an unlocked check-then-`useradd`: embedded servers starting together on a
+    machine without the user (parallel tests, a demo) each ran `useradd`, got different uids, and one
+    chowned its data directory to a uid the user no longer had, so initdb could not use it. A
+    machine-wide file lock makes the first creator finish before anyone looks the user up."""
+    if os.geteuid() != 0:
+        return None
+    with _locked(_USER_LOCK):
+        return _pgserver().utils.ensure_user_exists(name).pw_uid
+
+
 def _postmaster(home: Path):
     pgdata = postgres_dir(home)
     if not (pgdata / "PG_VERSION").exists():
@@ -99,6 +117,7 @@ def start_postgres(home: Path) -> str:
     the database), so a second invocation waits and then reuses the running server."""
     prepare_home(home)
     pgdata = postgres_dir(home)
+    ensure_server_user()
     with _locked(home / "pg.start.lock"):
         pgserver = _pgserver()
         if _postmaster(home) is None:
@@ -124,7 +143,7 @@ def stop_postgres(home: Path) -> bool:
     if _postmaster(home) is None:
         return False
     pgserver = _pgserver()
-    user = "pgserver" if os.geteuid() == 0 else None  # pgserver runs the server as this user under root
+    user = SERVER_USER if os.geteuid() == 0 else None  # pgserver runs the server as this user under root
     with _locked(home / "pg.start.lock"):
         if _postmaster(home) is None:
             return False

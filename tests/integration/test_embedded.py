@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import json
 import os
+import pwd
 import shutil
 import subprocess
+import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -148,3 +151,29 @@ def test_concurrent_inits_on_a_fresh_home_all_succeed(embedded_home) -> None:
             assert json.loads(out)["revision"] is not None
         assert len({json.loads(out)["revision"] for _, out, _ in outcomes}) == 1  # all at the head
         assert json.loads(run(env, "db", "status", "--json").stdout)["postgresql"]["running"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root creates the server's system user")
+def test_servers_starting_together_as_root_create_the_system_user_once(tmp_path: Path) -> None:
+    """Six processes released at once each ensure the user the embedded server runs as, on a machine
+    without it (a fresh name stands in for `pgserver`): all see the one uid the user ends with and
+    none fails. Unlocked, they raced `useradd`: errors, and uids the user no longer had."""
+    name = f"pearl-t{os.getpid() % 100000}"
+    go = tmp_path / "go"
+    child = ("import os, sys, time\n"
+             "from pearl.controlplane.services.embedded import ensure_server_user\n"
+             "while not os.path.exists(sys.argv[2]): time.sleep(0.005)\n"
+             "print(ensure_server_user(sys.argv[1]))\n")
+    procs = [subprocess.Popen([sys.executable, "-c", child, name, str(go)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(6)]
+    try:
+        time.sleep(1.5)  # every child imported and waiting
+        go.touch()
+        results = [p.communicate(timeout=60) for p in procs]
+        assert [p.returncode for p in procs] == [0] * 6, [err[-500:] for _, err in results]
+        assert {out.strip() for out, _ in results} == {str(pwd.getpwnam(name).pw_uid)}
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        subprocess.run(["userdel", name], capture_output=True)
