@@ -14,6 +14,7 @@ its databases after its pid, and takes a Redis database of its own on a shared R
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import queue
 import shutil
@@ -51,6 +52,17 @@ def _with_database(url: str, name: str) -> str:
 
 def _admin(url: str) -> Engine:
     return create_engine(url, isolation_level="AUTOCOMMIT", poolclass=NullPool)
+
+
+@pytest.fixture(autouse=True)
+def _pearl_logging_restored() -> Iterator[None]:
+    """A command run in process (`agent`, `worker`, `loop`) points the `pearl` logger at the stderr of its
+    CliRunner, closed once it returns, and stops propagation: later tests' records would fail to print
+    and never reach caplog. Each test leaves the logger as it found it."""
+    logger = logging.getLogger("pearl")
+    saved = logger.handlers[:], logger.level, logger.propagate
+    yield
+    logger.handlers[:], logger.level, logger.propagate = saved
 
 
 @pytest.fixture(scope="session")

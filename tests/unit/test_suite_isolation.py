@@ -37,3 +37,22 @@ def test_the_embedded_test_server_does_not_flush_to_disk(pg_server_url: str) -> 
         assert {s: conn.execute(text(f"SHOW {s}")).scalar() for s in ("fsync", "synchronous_commit")} == \
             {"fsync": "off", "synchronous_commit": "off"}
     engine.dispose()
+
+
+@pytest.mark.unit
+def test_a_command_that_sets_up_logging_in_process_leaves_the_logger_as_it_found_it() -> None:
+    """`setup_logging` (what `agent`, `worker` and `loop` call) aims the `pearl` logger at the stderr
+    of the moment; the autouse fixture puts back what the test found, for every test after it."""
+    import logging
+
+    from pearl.cli.common import setup_logging
+
+    logger = logging.getLogger("pearl")
+    before = logger.handlers[:], logger.level, logger.propagate
+    fixture = conftest._pearl_logging_restored.__wrapped__()  # the fixture's generator, run by hand
+    next(fixture)
+    setup_logging()
+    assert (logger.handlers[:], logger.propagate) != (before[0], before[2])
+    with pytest.raises(StopIteration):
+        next(fixture)
+    assert (logger.handlers[:], logger.level, logger.propagate) == before
