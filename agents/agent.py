@@ -50,6 +50,7 @@ from pearl.controlplane.store.queries import query
 from pearl.controlplane.store.transitions import lock_fleet
 
 log = logging.getLogger("pearl.agent")
+THREAD_JOIN_S = 15.0  # at shutdown, how long the listener and a watch pass in progress may take to end
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,7 @@ class Agent:
         self._in_hand: dict[int, StepContext] = {}  # step id -> its context
         self._aside: dict[int, int] = {}  # workers held aside (how many holds): no step of theirs meanwhile
         self._pool = ThreadPoolExecutor(max_workers=config.max_steps, thread_name_prefix=f"step-{config.node}")
+        self._threads: list[threading.Thread] = []  # listener, watcher, relister: joined at shutdown
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -104,10 +106,8 @@ class Agent:
                                                           agent_timeout_s=c.agent_timeout_s)
         log.info("agent %s started on node %s (driver %s)", self.registration.agent_id, c.node, c.driver,
                  extra={"action": "start_agent"})
-        listener = threading.Thread(target=self._listen, name=f"listen-{c.node}", daemon=True)
-        listener.start()
-        watcher = threading.Thread(target=self._watch, name=f"watch-{c.node}", daemon=True)
-        watcher.start()
+        self._start_thread(self._listen, f"listen-{c.node}")
+        self._start_thread(self._watch, f"watch-{c.node}")
         next_beat = next_reap = 0.0
         try:
             while not self._stop.is_set():
@@ -153,12 +153,33 @@ class Agent:
         for ctx in left:
             ctx.stop("shutdown")
         self._pool.shutdown(wait=True)
+        self._stop.set()  # also when the loop ended by an exception
+        self._join_threads(deadline=time.monotonic() + THREAD_JOIN_S)
         if self.registration is not None:
             try:
                 agent_registry.mark_stopped(self.engine, self.registration.agent_id)
             except PearlError as exc:
                 log.warning("could not mark the agent stopped: %s", exc)
         log.info("agent stopped", extra={"action": "stop_agent"})
+
+    def _start_thread(self, target: Callable[..., None], name: str, *args: Any) -> None:
+        thread = threading.Thread(target=target, args=args, name=name, daemon=True)
+        with self._lock:
+            self._threads.append(thread)
+        thread.start()
+
+    def _join_threads(self, deadline: float) -> None:
+        """Wait for the listener and the watch passes to end: `run` returns with no thread of its own
+        still using the engine (a caller that disposes it then leaves no connection behind)."""
+        while True:
+            with self._lock:
+                alive = [t for t in self._threads if t.is_alive()]
+            if not alive:
+                return
+            if time.monotonic() >= deadline:
+                log.warning("still running at shutdown: %s", ", ".join(t.name for t in alive))
+                return
+            alive[0].join(timeout=max(0.0, deadline - time.monotonic()))
 
     # -- the loop's parts -----------------------------------------------------------------------
 
@@ -307,8 +328,7 @@ class Agent:
         c = self.config
         watch = ServerWatch(self.engine, c.node, self.driver, self._health, self.front_door, c.crash_after_s,
                             aside=self._held_aside, relist_s=c.relist_s)
-        threading.Thread(target=self._every, args=(watch.register_missing,), name=f"relist-{c.node}",
-                         daemon=True).start()
+        self._start_thread(self._every, f"relist-{c.node}", watch.register_missing)
         self._every(watch.check, watch.stop_leftovers)
 
     def _every(self, *passes: Callable[[], list[int]]) -> None:

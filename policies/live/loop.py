@@ -85,6 +85,8 @@ class PolicyLoop:
                 if gap > 0 and not self._stop.is_set():
                     self._stop.wait(gap)
         finally:
+            self._stop.set()  # also when the loop ended by an exception
+            listener.join(timeout=5.0)  # return with no thread of ours still connected
             try:
                 agent_registry.release_leader_lease(self.engine, LEADER, self.holder)
             except PearlError as exc:

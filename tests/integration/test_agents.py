@@ -72,6 +72,14 @@ class Fleet:
         for _, thread in self.agents:
             thread.join(timeout=30)
             assert not thread.is_alive()
+        assert agent_threads(self.agents) == []  # `run` returned with its listener and watch passes ended
+
+
+def agent_threads(agents: list[tuple[Agent, threading.Thread]]) -> list[str]:
+    """The live threads an agent of these nodes starts besides its loop (listener, watch passes)."""
+    nodes = {agent.config.node for agent, _ in agents}
+    return [t.name for t in threading.enumerate()
+            if t.name.partition("-")[0] in ("listen", "watch", "relist") and t.name.partition("-")[2] in nodes]
 
 
 def _run(agent: Agent) -> None:
@@ -336,6 +344,21 @@ def test_a_step_claimed_in_the_instant_its_worker_is_held_aside_is_handed_back(
     summary = plan_store.wait_plan(fleet.engine, plan_id, timeout_s=30, poll_s=0.05)
     assert summary["status"] == "succeeded", summary["error"]
     assert fleet.servers.launches == 1
+
+
+def test_a_stopped_agent_leaves_no_thread_and_no_connection_of_its_engine_in_use(db_engine: Engine) -> None:
+    """`run` returns only once the listener and the watch passes have ended: a caller that disposes the
+    engine then closes every connection. A thread left running would return its connection to the
+    disposed pool, where it stays open until garbage collection (a ResourceWarning in a later test)."""
+    import_cluster(db_engine, TWO_NODES)
+    fleet = Fleet(db_engine)
+    agent = fleet.start("node-a", watch_s=0.05)
+    _wait_for(lambda: agent.registration is not None and len(agent_threads(fleet.agents)) == 3)
+    time.sleep(0.3)  # watch passes under way
+    agent.stop()
+    fleet.agents[0][1].join(timeout=30)
+    assert agent_threads(fleet.agents) == []
+    assert db_engine.pool.checkedout() == 0
 
 
 def test_a_second_agent_of_a_node_is_refused_while_the_first_is_alive(fleet: Fleet, database_url: str,

@@ -292,3 +292,4 @@ def test_progress_within_a_step_wakes_a_pass_only_at_a_new_step_or_its_tail(cp: 
         loop.stop()
         runner.join(10)
     assert not runner.is_alive()
+    assert "loop-listen" not in [t.name for t in threading.enumerate()]  # joined before `run` returned
