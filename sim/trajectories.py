@@ -11,9 +11,13 @@ has no environment step, so `obs` and `env_s` have one entry fewer than `gen`.
 
 from __future__ import annotations
 
-import numpy as np
+from typing import TYPE_CHECKING
+
 from pearl.controlplane.core.telemetry import TrajectoryRecord
 from pearl.controlplane.core.workload import Workload
+
+if TYPE_CHECKING:  # numpy is imported where a batch is sampled: the simulated server never samples one
+    import numpy as np
 
 
 class Trajectory:
@@ -64,11 +68,15 @@ class Trajectory:
 
 
 def _whole(x: np.ndarray, low: int) -> np.ndarray:
+    import numpy as np
+
     return np.maximum(np.rint(x), low).astype(np.int64)
 
 
 def sample_batch(workload: Workload, seed: int, step: int) -> list[Trajectory]:
     """The `workload.batch_size` trajectories of rollout step `step`; a pure function of (seed, step)."""
+    import numpy as np
+
     rng = np.random.default_rng([seed, step])
     b, g, cap = workload.batch_size, workload.group_size, workload.max_context_tokens
     turns = _whole(workload.turns.sample(rng, b), 1)

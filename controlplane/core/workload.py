@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import math
 from statistics import NormalDist
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
-import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+if TYPE_CHECKING:  # numpy is imported where a sample is drawn: a server that never samples starts faster
+    import numpy as np
 
 Z99 = NormalDist().inv_cdf(0.99)
 # Sanity limits: far above real RL batches and contexts, low enough that a typo is refused at once
@@ -45,6 +47,8 @@ class LogNormal(_Dist):
         return (math.log(self.p99) - math.log(self.median)) / Z99
 
     def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        import numpy as np
+
         x = rng.lognormal(math.log(self.median), self.sigma, n)
         return np.minimum(x, self.max) if self.max is not None else x
 
@@ -67,6 +71,8 @@ class Constant(_Dist):
     value: float = Field(ge=0)
 
     def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        import numpy as np
+
         return np.full(n, self.value, dtype=float)
 
     def mean(self) -> float:
@@ -108,12 +114,18 @@ class Empirical(_Dist):
         return self
 
     def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        import numpy as np
+
         return rng.choice(np.asarray(self.values, dtype=float), n)
 
     def mean(self) -> float:
+        import numpy as np
+
         return float(np.mean(self.values))
 
     def quantile(self, q: float) -> float:
+        import numpy as np
+
         return float(np.quantile(self.values, q))
 
 
