@@ -207,6 +207,9 @@ class Workbook:
     alive: np.ndarray  # (R,) expected trajectories still running in round k (of B, at least 1)
     alive_fraction: np.ndarray  # (R+1,) share of trajectories not done before round k (1 at k=0)
     stats: dict[str, np.ndarray]  # (R,) means over the trajectories alive in round k
+    # `evaluate`'s results on this workbook by their inputs: successive decisions of a step ask again
+    # for the same budgets at the same remaining share (about half the calls of a simulated run)
+    evaluations: dict[tuple, Evaluation] = field(default_factory=dict, repr=False)
 
 
 @functools.lru_cache(maxsize=16)
@@ -401,7 +404,36 @@ class Evaluation:
         )
 
 
+EVALUATIONS_KEPT = 512  # per workbook; then the memo starts again (a policy loop runs for days)
+
+
 def evaluate(
+    wb: Workbook,
+    split: bool,
+    n1: np.ndarray,
+    n2: np.ndarray | None = None,
+    remaining_fraction: float = 1.0,
+    refine: int | None = None,
+    include: tuple[int, ...] = (),
+) -> Evaluation:
+    """`_evaluate`, remembered on the workbook: a pure function of its inputs, so a repeated question
+    gets the same (read-only) Evaluation without the work."""
+    n1 = np.asarray(n1, dtype=float)
+    n2 = np.zeros_like(n1) if n2 is None else np.asarray(n2, dtype=float)
+    key = (split, n1.tobytes(), n2.tobytes(), float(remaining_fraction), refine, tuple(int(i) for i in include))
+    found = wb.evaluations.get(key)
+    if found is None:
+        found = _evaluate(wb, split, n1, n2, remaining_fraction, refine, include)
+        for array in (found.makespan_s, found.feasible, found.refined, *found.components.values(),
+                      *found.diagnostics.values()):
+            array.flags.writeable = False
+        if len(wb.evaluations) >= EVALUATIONS_KEPT:
+            wb.evaluations.clear()
+        wb.evaluations[key] = found
+    return found
+
+
+def _evaluate(
     wb: Workbook,
     split: bool,
     n1: np.ndarray,

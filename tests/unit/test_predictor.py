@@ -158,6 +158,27 @@ def test_tail_model_lowers_the_round_model(prior):
     assert np.all(tail.makespan_s > 0.8 * rounds.makespan_s)
 
 
+def test_a_repeated_question_gets_the_remembered_read_only_answer(prior):
+    """`evaluate` remembers its results on the workbook: the same inputs return the same Evaluation,
+    equal to a fresh computation and read-only; any different input is computed afresh."""
+    from pearl.controlplane.core import predictor
+
+    wb = prepare(prior)
+    p = np.array([1.0, 2.0, 3.0])
+    first = evaluate(wb, True, p, 4 - p, 0.5, refine=1, include=(2,))
+    assert evaluate(wb, True, p.copy(), 4 - p, 0.5, refine=1, include=(2,)) is first
+    fresh = predictor._evaluate(wb, True, p, 4 - p, 0.5, 1, (2,))
+    assert np.array_equal(first.makespan_s, fresh.makespan_s) and first.reasons == fresh.reasons
+    assert all(np.array_equal(first.components[k], v, equal_nan=True) for k, v in fresh.components.items())
+    with pytest.raises(ValueError, match="read-only"):
+        first.makespan_s[0] = 0.0
+    for other in (evaluate(wb, True, p, 4 - p, 0.25, refine=1, include=(2,)),  # another remaining share
+                  evaluate(wb, True, p, 4 - p, 0.5, refine=1),  # no include
+                  evaluate(wb, True, p, 5 - p, 0.5, refine=1, include=(2,)),  # other decode counts
+                  evaluate(wb, False, p, None, 0.5, refine=1, include=(2,))):  # the other mode
+        assert other is not first and not np.array_equal(other.makespan_s, first.makespan_s)
+
+
 def test_last_trajectory_decodes_nearly_alone(prior):
     """One trajectory in a hundred runs 40 turns: its late turns run alone, at ~A per token."""
     pools = WorkloadPools((1000.0,), (2.0,) * 99 + (40.0,), (200.0,), (50.0,), (0.5,))
