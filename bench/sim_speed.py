@@ -4,6 +4,8 @@ Prints one JSON object: per scenario and system, the median and spread of the wa
 `--repeat` runs (one core, this process), simulated events per second, and tokens_per_s; each
 system's median relative to `roll` measured in the same run; and the wall time of a whole compare.
 Targets: one 2-hour 32-GPU scenario for one system under 30 s; compare under 3 minutes.
+Every run starts with the predictor's caches empty (`prepare` and the evaluations it remembers), as
+in a fresh process: a repeat would otherwise find the answers of the first and time only the engine.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import json
 import statistics
 import time
 
+from pearl.controlplane.core.predictor import prepare
 from pearl.sim.experiments import compare, run_system
 from pearl.sim.scenario import load_scenario, shipped_scenarios
 from pearl.sim.systems import SYSTEMS
@@ -31,6 +34,7 @@ def main() -> None:
         for system in SYSTEMS:
             walls, result = [], None
             for _ in range(args.repeat):
+                prepare.cache_clear()
                 t0 = time.perf_counter()
                 result = run_system(sc, system)
                 walls.append(time.perf_counter() - t0)
@@ -43,6 +47,7 @@ def main() -> None:
         base = rows["roll"]["wall_s_median"]
         for row in rows.values():
             row["wall_vs_roll"] = round(row["wall_s_median"] / base, 2)
+        prepare.cache_clear()
         t0 = time.perf_counter()
         compare(sc)
         out["scenarios"][name] = {"systems": rows, "compare_wall_s": round(time.perf_counter() - t0, 3)}
