@@ -8,9 +8,8 @@ import os
 import pwd
 import shutil
 import subprocess
-import sys
 import tempfile
-import time
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -154,26 +153,25 @@ def test_concurrent_inits_on_a_fresh_home_all_succeed(embedded_home) -> None:
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="only root creates the server's system user")
-def test_servers_starting_together_as_root_create_the_system_user_once(tmp_path: Path) -> None:
-    """Six processes released at once each ensure the user the embedded server runs as, on a machine
+def test_servers_starting_together_as_root_create_the_system_user_once() -> None:
+    """Six starts released at once each ensure the user the embedded server runs as, on a machine
     without it (a fresh name stands in for `pgserver`): all see the one uid the user ends with and
-    none fails. Unlocked, they raced `useradd`: errors, and uids the user no longer had."""
+    none fails. Unlocked, they raced `useradd`: errors, and uids the user no longer had. (Threads
+    race as processes do: each opens the lock file, and a flock excludes other open files.)"""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from pearl.controlplane.services.embedded import ensure_server_user
+
     name = f"pearl-t{os.getpid() % 100000}"
-    go = tmp_path / "go"
-    child = ("import os, sys, time\n"
-             "from pearl.controlplane.services.embedded import ensure_server_user\n"
-             "while not os.path.exists(sys.argv[2]): time.sleep(0.005)\n"
-             "print(ensure_server_user(sys.argv[1]))\n")
-    procs = [subprocess.Popen([sys.executable, "-c", child, name, str(go)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for _ in range(6)]
+    go = threading.Barrier(6)
+
+    def start(_: int) -> int | None:
+        go.wait()
+        return ensure_server_user(name)
+
     try:
-        time.sleep(1.5)  # every child imported and waiting
-        go.touch()
-        results = [p.communicate(timeout=60) for p in procs]
-        assert [p.returncode for p in procs] == [0] * 6, [err[-500:] for _, err in results]
-        assert {out.strip() for out, _ in results} == {str(pwd.getpwnam(name).pw_uid)}
+        with ThreadPoolExecutor(6) as pool:
+            uids = list(pool.map(start, range(6)))
+        assert set(uids) == {pwd.getpwnam(name).pw_uid}
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
         subprocess.run(["userdel", name], capture_output=True)
