@@ -416,8 +416,17 @@ def evaluate(
     refine: int | None = None,
     include: tuple[int, ...] = (),
 ) -> Evaluation:
-    """`_evaluate`, remembered on the workbook: a pure function of its inputs, so a repeated question
-    gets the same (read-only) Evaluation without the work."""
+    """Predict C configurations of one mode at once: N = n1 colocated, or N_P = n1, N_D = n2 split.
+
+    Pass 1 (all configurations): the round model, alive(k) from turn counts. Pass 2 (the `refine`
+    best of pass 1 and the indices in `include`; all when `refine` is None): the slowest
+    trajectories are re-timed turn by turn with the load at the time each turn actually runs,
+    alive(τ) = B * P(T > τ) from pass 1: the last trajectories run when most others are done, at
+    small batches.
+
+    A pure function of its inputs, remembered on the workbook: a repeated question gets the same
+    (read-only) Evaluation without the work.
+    """
     n1 = np.asarray(n1, dtype=float)
     n2 = np.zeros_like(n1) if n2 is None else np.asarray(n2, dtype=float)
     key = (split, n1.tobytes(), n2.tobytes(), float(remaining_fraction), refine, tuple(int(i) for i in include))
@@ -433,25 +442,9 @@ def evaluate(
     return found
 
 
-def _evaluate(
-    wb: Workbook,
-    split: bool,
-    n1: np.ndarray,
-    n2: np.ndarray | None = None,
-    remaining_fraction: float = 1.0,
-    refine: int | None = None,
-    include: tuple[int, ...] = (),
-) -> Evaluation:
-    """Predict C configurations of one mode at once: N = n1 colocated, or N_P = n1, N_D = n2 split.
-
-    Pass 1 (all configurations): the round model, alive(k) from turn counts. Pass 2 (the `refine`
-    best of pass 1 and the indices in `include`; all when `refine` is None): the slowest
-    trajectories are re-timed turn by turn with the load at the time each turn actually runs,
-    alive(τ) = B * P(T > τ) from pass 1: the last trajectories run when most others are done, at
-    small batches.
-    """
-    n1 = np.asarray(n1, dtype=float)
-    n2 = np.zeros_like(n1) if n2 is None else np.asarray(n2, dtype=float)
+def _evaluate(wb: Workbook, split: bool, n1: np.ndarray, n2: np.ndarray, remaining_fraction: float,
+              refine: int | None, include: tuple[int, ...]) -> Evaluation:
+    """`evaluate`'s work, done afresh."""
     p = wb.profile
     st = {k: v[:, None] for k, v in wb.stats.items()}
     f = np.full((len(wb.alive), len(n1)), p.decode_fraction)
