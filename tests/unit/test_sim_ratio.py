@@ -334,6 +334,7 @@ def table2():
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("table2")  # one worker computes the six settings for both tests
 @pytest.mark.xfail(strict=True, reason=(
     "docs/fidelity.md, 'What is left': the predictor selects colocation in all six settings, 0.1-1.5% "
     "behind the best split, inside its error"))
@@ -345,6 +346,7 @@ def test_table2_selected_is_the_empirical_best_in_five_of_six_within_one_percent
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("table2")
 def test_table2_as_reported_the_best_splits_the_gaps_and_the_predictors_error(table2):
     """What docs/fidelity.md reports of Table 2: the simulated best split of each setting, the selection
     at most 1.5% behind it, and the predictor ranking the candidates closer to the simulator than the
