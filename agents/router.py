@@ -121,7 +121,7 @@ class Child:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, cfg: FrontDoorConfig) -> None:
-        argv = [cfg.python, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(self.port),
+        argv = [cfg.python, "-m", "pearl.agents.router_process", "--host", "127.0.0.1", "--port", str(self.port),
                 "--prometheus-port", str(self.prometheus_port), *cfg.router_args]
         if self.mode == "split":
             argv.append("--pd-disaggregation")

@@ -70,16 +70,17 @@ def test_while_a_plan_applies_plan_says_so_and_apply_suggests_what_works(cli, da
     from pearl.controlplane.store.db import make_engine
     from pearl.policies.live.policy_pass import plan as policy_plan
 
-    assert cli("cluster", "import", str(SWE)).exit_code == 0
-    assert cli("plan").exit_code == 0
-    assert cli("apply", "1").exit_code == 0  # no agents run here: it stays applying
+    for args in (("cluster", "import", str(SWE)), ("plan",), ("apply", "1")):  # no agents here: 1 stays applying
+        res = cli(*args)
+        assert res.exit_code == 0, (args, res.output)
     refused = cli("plan")
-    assert refused.exit_code == 1
-    assert "plan 1 is still applying" in refused.stderr and "nothing was written" in refused.stderr
+    assert refused.exit_code == 1, refused.output
+    assert "plan 1 is still applying" in refused.stderr and "nothing was written" in refused.stderr, refused.stderr
     as_json = cli("plan", "--json")
-    assert as_json.exit_code == 1 and json.loads(as_json.stdout)["exit"] == 1
+    assert as_json.exit_code == 1 and json.loads(as_json.stdout)["exit"] == 1, as_json.output
     assert plans(database_url) == [(1, "applying")]
-    assert cli("plan", "--dry-run").exit_code == 0  # what would be decided, writing nothing
+    dry = cli("plan", "--dry-run")
+    assert dry.exit_code == 0, dry.output  # what would be decided, writing nothing
 
     engine = make_engine(database_url)  # a plan written meanwhile by another writer
     try:
@@ -87,10 +88,11 @@ def test_while_a_plan_applies_plan_says_so_and_apply_suggests_what_works(cli, da
     finally:
         engine.dispose()
     blocked = cli("apply", str(second))
-    assert blocked.exit_code == 1
+    assert blocked.exit_code == 1, blocked.output
     assert "--wait" not in blocked.stderr
-    assert "pearlctl apply --abort 1" in blocked.stderr and "pearlctl status --watch" in blocked.stderr
-    assert cli("apply", "--abort", "1").exit_code == 0  # the suggestion works
+    assert "pearlctl apply --abort 1" in blocked.stderr and "pearlctl status --watch" in blocked.stderr, blocked.stderr
+    aborted = cli("apply", "--abort", "1")
+    assert aborted.exit_code == 0, aborted.output  # the suggestion works
     assert dict(plans(database_url))[1] == "failed"
 
 
