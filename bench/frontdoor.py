@@ -11,6 +11,10 @@ Prints one JSON object:
   as a decode worker (deregister, wait idle, `/pd_role_switch`, register, one request through the
   front door), the median over `--switches` flips, and each part; the simulated switch itself is
   `role_switch_s` simulated seconds at `--speed`.
+- `router_start`: a child router from its spawn to its first answer (`/liveness`), the median over
+  `--starts` starts, through the front door's launcher (`python -m pearl.agents.router_process`)
+  and, as the baseline in the same run, through the package's (`python -m
+  sglang_router.launch_router`); a child that died is down at least this long.
 Everything runs on this machine's loopback; the load generator shares its CPUs.
 """
 
@@ -140,6 +144,40 @@ class aiohttp_free_request:  # noqa: N801 - a context manager that sends one req
         return None
 
 
+def router_start(starts: int) -> dict:
+    import subprocess
+
+    import httpx
+    from pearl.agents.drivers.process import free_port
+
+    def once(module: str) -> float:
+        port = free_port()
+        t0 = time.monotonic()
+        proc = subprocess.Popen([sys.executable, "-m", module, "--host", "127.0.0.1", "--port", str(port),
+                                 "--prometheus-port", str(free_port()), "--log-level", "warn"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            while proc.poll() is None:
+                try:
+                    httpx.get(f"http://127.0.0.1:{port}/liveness", timeout=0.5)
+                    return time.monotonic() - t0
+                except httpx.TransportError:
+                    time.sleep(0.005)
+            raise RuntimeError(f"{module} exited with {proc.returncode} before it answered")
+        finally:
+            proc.terminate()
+            proc.wait()
+
+    modules = {"pearl": "pearl.agents.router_process", "package_launcher": "sglang_router.launch_router"}
+    times: dict[str, list[float]] = {name: [] for name in modules}
+    for _ in range(starts):  # interleaved, so that a change in the machine's load falls on both
+        for name, module in modules.items():
+            times[name].append(once(module))
+    medians = {name: statistics.median(t) for name, t in times.items()}
+    return {"starts": starts, **{f"{name}_p50_s": round(m, 3) for name, m in medians.items()},
+            "ratio_p50": round(medians["pearl"] / medians["package_launcher"], 3)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--workers", type=int, action="append", help="default: 2, 8 and 32")
@@ -148,12 +186,14 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--speed", type=float, default=1000.0)
     parser.add_argument("--switches", type=int, default=5)
+    parser.add_argument("--starts", type=int, default=7)
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="pearl-bench-frontdoor-"))
     out = {"cpus": os.cpu_count(), "concurrency": args.concurrency, "seconds": args.seconds,
            "max_new_tokens": args.tokens, "speed": args.speed,
            "throughput": [throughput(root, n, args) for n in (args.workers or [2, 8, 32])],
-           "role_switch": role_switch(root, argparse.Namespace(**{**vars(args), "speed": 25.0}))}
+           "role_switch": role_switch(root, argparse.Namespace(**{**vars(args), "speed": 25.0})),
+           "router_start": router_start(args.starts)}
     print(json.dumps(out, indent=1))
 
 
