@@ -11,6 +11,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -112,9 +113,12 @@ def test_an_agent_killed_mid_step_is_rescued_and_the_step_takes_effect_once(
     fleet, _ = live
     plan_id = propose(db_engine, Target(frozenset({1, 2}), {Role.COLOCATED: 2}))
     plan_store.apply(db_engine, plan_id)
-    step = lambda key: db_engine.connect().execute(  # noqa: E731
-        text("SELECT status, attempts, fence FROM plan_steps WHERE plan_id = :p AND key = :k"),
-        {"p": plan_id, "k": key}).one()
+
+    def step(key: str) -> Any:
+        with db_engine.connect() as conn:  # closed here: a connection left to the collector fails a later test
+            return conn.execute(text("SELECT status, attempts, fence FROM plan_steps WHERE plan_id = :p AND key = :k"),
+                                {"p": plan_id, "k": key}).one()
+
     _wait(lambda: step("w1.start").status == "running", 30, fleet)
     agent = next(p for p in fleet.procs if p.name == "agent node-a")
     os.killpg(agent.popen.pid, signal.SIGKILL)  # mid-start: the server may be launching
