@@ -25,14 +25,17 @@ import asyncio
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import aiohttp
+import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from pearl.agents.drivers.process import free_port  # noqa: E402
 from pearl.agents.drivers.sim import SimDriver  # noqa: E402
 from pearl.agents.server_client import ServerClient  # noqa: E402
 from pearl.controlplane.core.domain import Role  # noqa: E402
@@ -145,11 +148,6 @@ class aiohttp_free_request:  # noqa: N801 - a context manager that sends one req
 
 
 def router_start(starts: int) -> dict:
-    import subprocess
-
-    import httpx
-    from pearl.agents.drivers.process import free_port
-
     def once(module: str) -> float:
         port = free_port()
         t0 = time.monotonic()
