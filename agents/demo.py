@@ -224,9 +224,8 @@ class Demo:
             "borrowed_returns": report["borrowed_returns"], "late_returns": report["late_returns"],
             "late_revocations": report["late_revocations"], "training_delay_s": report["training_delay_s"],
             "scenario": sc.name, "speed": self.cfg.speed, "duration_s": duration, "steps": self.cfg.steps,
-            "simulated_tokens_per_s": simulated.get("pearl", {}).get("tokens_per_s") if simulated else None,
-            "simulated_tokens_per_s_to_last_step":
-                simulated.get("pearl", {}).get("tokens_per_s_to_last_step") if simulated else None,
+            **{f"simulated_{key}": simulated.get("pearl", {}).get(key) if simulated else None
+               for key in ("tokens_per_s", "tokens_per_s_window", "tokens_per_s_ratio_of_sums")},
             "systems": simulated, "stopped": self._stop_reason, "killed": killed,
             "database": redact_url(database),
         }
@@ -316,7 +315,7 @@ class Demo:
             return None
         with contextlib.suppress(OSError, ValueError):
             systems = json.loads((self.run_dir / "simulated.json").read_text())["systems"]
-            return {name: {k: s[k] for k in ("tokens_per_s", "tokens_per_s_to_last_step", "rollout_steps",
-                                             "gpu_seconds", "reconfigurations")}
+            return {name: {k: s[k] for k in ("tokens_per_s", "tokens_per_s_window", "tokens_per_s_ratio_of_sums",
+                                             "rollout_steps", "gpu_seconds", "reconfigurations")}
                     for name, s in systems.items()}
         return None

@@ -86,13 +86,13 @@ class RealtimeEngine:
     def __init__(self, perf: PerfModel, role: Role, speed: float, worker_id: int = 0,
                  capacity: int | None = None) -> None:
         self.perf = perf
-        self.timing = EngineTiming(perf)
+        self.timings = {r: EngineTiming(perf.for_role(r)) for r in (Role.COLOCATED, Role.PREFILL, Role.DECODE)}
         self.speed = speed
         self.worker_id = worker_id
         self.capacity = capacity or perf.kv_capacity_tokens
         self.loop = asyncio.get_running_loop()
         self.t0 = self.loop.time()
-        self.engine = Engine(worker_id, role, self.timing, self.capacity)
+        self.engine = Engine(worker_id, role, self.timings[role], self.capacity)
         self.prefixes = PrefixIndex()
         self.keys = itertools.count()
         self.seq = itertools.count(1)
@@ -255,7 +255,7 @@ class RealtimeEngine:
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
-        self.engine = Engine(self.worker_id, role, self.timing, self.capacity)
+        self.engine = Engine(self.worker_id, role, self.timings[role], self.capacity)
         self.prefixes = PrefixIndex()
 
     def flush_cache(self) -> None:

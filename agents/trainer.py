@@ -1,18 +1,26 @@
 """A trainer emulator: what an asynchronous agentic-RL framework does to the control plane and the front
 door, with the work of the simulator's trainer, so a live run and a simulated one do the same work.
 
-Rollout. Each rollout step's batch is the simulator's (`sim.trajectories.sample_batch`: the same
-trajectories for the same seed and step). Every trajectory runs through the front door turn by turn:
+Rollout, by the simulator's rule (sim/trainer.py): each batch is the simulator's
+(`sim.trajectories.sample_batch`: the same trajectories for the same seed and step), and each of the
+scenario's environment slots runs its trajectories of a batch one after the other, then the next
+batch's as soon as that batch exists. With `batching: async` batches 0..s exist from the start and
+training step k's end creates batch k + s + 1; with `sync` batch k is created once batch k-1 is
+complete and step k-s-1 has ended. Every trajectory runs through the front door turn by turn:
 `/generate` with the whole context as token ids (the prompt, then each turn's output and the
 environment's observation) and `max_new_tokens` the turn's generation, then the environment's wait
-(scaled by `speed`). The rollout reports each finished trajectory (`rollout_progress`: the live R of
-the borrowing gate) and, when the batch is complete, the step's telemetry (the same records the
-simulator emits).
+(scaled by `speed`). One reporter sends the rollout's position, in order: the batch under way (the
+oldest not complete) with how many of its trajectories finished and how many trajectories of every
+batch are in flight (`rollout_progress`: the live R of the borrowing gate and the fleet's load),
+and, as each batch completes, its last count and the step's telemetry (the records the simulator
+emits).
 
-Training, with staleness s (the simulator's rules): the rollout of batch j starts once batch j-1 is
-complete and at least j-s training steps are done; training step k begins when batch k is complete
-and step k-1 is done (`training_begin` waits for the borrowed GPUs and records any lateness), lasts
-`step_s`, then writes the new weights as a snapshot and reports the step's end with its version.
+Training, with staleness s: training step k begins once batch k is complete and reported and step
+k-1 is done with its weight update (`training_begin` waits for the borrowed GPUs and records any
+lateness), lasts `step_s`, then writes the new weights as a snapshot and reports the step's end
+with its version; the update takes `weight_sync_s` before the trainer asks for the next batch. The servers
+load the new weights without dropping the turns under way (`training.weight_update: keep`, pearl's
+weight sync): the emulator sends no aborts.
 
 Preemptible GPUs: the scenario's trace replayed as grants and revocations with notice (the
 simulator's availability schedule, by whole workers).
@@ -21,7 +29,7 @@ The run ends after its duration, or after `steps` training steps when that is gi
 first.
 
 Times: the scenario's seconds are model seconds; the emulator sleeps them divided by `speed`, and
-reports throughput in model seconds (tokens over wall time x speed), like the simulator's metric.
+reports throughput in model seconds (tokens over wall time x speed), the simulator's three metrics.
 """
 
 from __future__ import annotations
@@ -38,8 +46,10 @@ from typing import Any
 import aiohttp
 from pearl.controlplane.api import ControlPlane
 from pearl.controlplane.core.telemetry import StepTelemetry
+from pearl.controlplane.errors import BadInput
 from pearl.controlplane.weights import write_demo_snapshot
 from pearl.sim.availability import availability_changes
+from pearl.sim.metrics import step_rates
 from pearl.sim.scenario import Scenario
 from pearl.sim.trajectories import Trajectory, sample_batch
 
@@ -63,13 +73,16 @@ class TrainerStats:
     trained_tokens: int = 0  # the metric's tokens of trained batches (generated + all)
     training_wait_s: float = 0.0  # how long training waited for borrowed GPUs, in total (wall)
     rollout: tuple[int, int, int] = (-1, 0, 0)  # step under way, finished, batch size
+    in_flight: int = 0  # trajectories being rolled out, of every batch
     training: str = "idle"  # idle, waiting, training
     timeline: list[tuple[float, int]] = field(default_factory=list)  # (wall s, tokens generated so far)
     grants: int = 0
     revocations: int = 0
     errors: list[str] = field(default_factory=list)
-    ended: float | None = None  # when the run ended (its duration, a stop or a failure): the metric's window
+    ended: float | None = None  # when the run ended (its duration, a stop or a failure): the window metric's
     last_trained_s: float = 0.0  # wall seconds into the run when the latest training step ended
+    trained_ends: list[float] = field(default_factory=list)  # wall seconds into the run each step ended
+    trained_step_tokens: list[int] = field(default_factory=list)  # the metric's tokens of each trained step
 
     def elapsed(self) -> float:
         return (self.ended if self.ended is not None else time.monotonic()) - self.started
@@ -93,12 +106,22 @@ class TrainerEmulator:
         self.steps = steps  # the run ends after this many training steps (None: its duration decides)
         self.stats = TrainerStats()
         self._stop = asyncio.Event()
-        self._batches_done = 0
-        self._trained = 0
-        self._batch_done = asyncio.Condition()
-        self._tokens: dict[int, int] = {}  # rollout step -> the metric's tokens of its batch
-        self._progress = asyncio.Lock()
+        if scenario.training.weight_update != "keep":
+            raise BadInput("training.weight_update: the trainer emulator sends no aborts; a live run needs keep "
+                           f"(pearl's weight sync), not {scenario.training.weight_update}")
+        self._reset()
         self.initial_granted = False  # `grant_initial` ran: the trace's t=0 grant is in place
+
+    def _reset(self) -> None:
+        self._batches: dict[int, list[Trajectory]] = {}  # created and not complete
+        self._finished: dict[int, int] = {}  # per batch: trajectories finished
+        self._created = 0
+        self._batches_done = 0  # complete, the oldest first
+        self._reported = 0  # complete and reported (count and telemetry): training may take them
+        self._trained = 0
+        self._changed = asyncio.Condition()  # batches created, completed, reported, trained
+        self._dirty = asyncio.Event()  # something for the reporter
+        self._tokens: dict[int, int] = {}  # rollout step -> the metric's tokens of its batch
 
     # -- the run -----------------------------------------------------------------------------------
 
@@ -110,9 +133,12 @@ class TrainerEmulator:
 
     async def run(self) -> TrainerStats:
         self.stats = TrainerStats()
+        self._reset()
         timeout = aiohttp.ClientTimeout(total=self.request_timeout_s)
         async with aiohttp.ClientSession(timeout=timeout) as http:
-            tasks = [asyncio.create_task(self._rollouts(http)), asyncio.create_task(self._training())]
+            self._create_batches()
+            tasks = [asyncio.create_task(self._reporter()), asyncio.create_task(self._training()),
+                     *(asyncio.create_task(self._slot(http, i)) for i in range(self.sc.env_slots))]
             if self.preemptible_node and self.sc.cluster.preemptible is not None:
                 tasks.append(asyncio.create_task(self._trace()))
             deadline = asyncio.create_task(self._sleep_model(self.duration_s))
@@ -144,29 +170,73 @@ class TrainerEmulator:
 
     # -- rollout -------------------------------------------------------------------------------------
 
-    async def _rollouts(self, http: aiohttp.ClientSession) -> None:
-        step = 0
-        while not self._stop.is_set():
-            async with self._batch_done:  # staleness: at least step - s training steps done
-                await self._batch_done.wait_for(lambda s=step: self._trained >= s - self.sc.training.staleness)
-            batch = sample_batch(self.sc.workload, self.sc.seed, step)
-            await asyncio.to_thread(self.cp.rollout_progress, step, 0, len(batch))
-            self.stats.rollout = (step, 0, len(batch))
-            await asyncio.gather(*(self._run_and_report(http, t, step, len(batch)) for t in batch))
-            telemetry = StepTelemetry(step=step, batch_size=len(batch), trajectories=[t.record() for t in batch])
-            await asyncio.to_thread(self.cp.telemetry, telemetry.model_dump(mode="json"))
-            self._tokens[step] = sum(t.metric_tokens for t in batch)
-            self.stats.rollout_steps += 1
-            async with self._batch_done:
-                self._batches_done = step + 1
-                self._batch_done.notify_all()
-            step += 1
+    def _can_create(self) -> bool:
+        """The simulator's rule (sim/trainer.py): at most `staleness` batches ahead of training, and with
+        sync batching only once the previous batch is complete."""
+        k, training = self._created, self.sc.training
+        if self._trained < k - training.staleness:
+            return False
+        return training.batching == "async" or self._batches_done >= k
 
-    async def _run_and_report(self, http: aiohttp.ClientSession, traj: Trajectory, step: int, batch: int) -> None:
-        await self._trajectory(http, traj)
-        self.stats.rollout = (step, self.stats.rollout[1] + 1, batch)
-        async with self._progress:  # one report at a time, each the latest count: it never goes down
-            await asyncio.to_thread(self.cp.rollout_progress, step, self.stats.rollout[1])
+    def _create_batches(self) -> None:
+        while self._can_create():
+            k = self._created
+            self._batches[k] = sample_batch(self.sc.workload, self.sc.seed, k)
+            self._finished[k] = 0
+            self._created += 1
+        self._dirty.set()
+
+    async def _slot(self, http: aiohttp.ClientSession, slot: int) -> None:
+        """Environment slot `slot`: trajectories slot, slot + S, ... of each batch in turn, batch after batch."""
+        size, slots = self.sc.workload.batch_size, self.sc.env_slots
+        k = 0
+        while not self._stop.is_set():
+            async with self._changed:
+                await self._changed.wait_for(lambda k=k: k < self._created)
+            batch = self._batches[k]  # it cannot complete before this slot's trajectories of it end
+            for i in range(slot, size, slots):
+                self.stats.in_flight += 1
+                try:
+                    await self._trajectory(http, batch[i])
+                finally:
+                    self.stats.in_flight -= 1
+                await self._trajectory_done(k)
+            k += 1
+
+    async def _trajectory_done(self, k: int) -> None:
+        self._finished[k] += 1
+        async with self._changed:
+            while self._batches_done in self._batches and \
+                    self._finished[self._batches_done] == len(self._batches[self._batches_done]):
+                done = self._batches_done
+                self._tokens[done] = sum(t.metric_tokens for t in self._batches[done])
+                self._batches_done += 1
+                self.stats.rollout_steps += 1
+            self._create_batches()
+            self._changed.notify_all()
+        self._dirty.set()
+
+    async def _reporter(self) -> None:
+        """The rollout's position, in order: each completed batch's last count and telemetry, then the
+        batch under way with its count and the trajectories in flight."""
+        size = self.sc.workload.batch_size
+        while True:
+            await self._dirty.wait()
+            self._dirty.clear()
+            while self._reported < self._batches_done:
+                k = self._reported
+                batch = self._batches.pop(k)
+                await asyncio.to_thread(self.cp.rollout_progress, k, size, size, in_flight=self.stats.in_flight)
+                telemetry = StepTelemetry(step=k, batch_size=size, trajectories=[t.record() for t in batch])
+                await asyncio.to_thread(self.cp.telemetry, telemetry.model_dump(mode="json"))
+                async with self._changed:
+                    self._reported = k + 1
+                    self._changed.notify_all()
+            k = self._batches_done
+            if k < self._created:
+                finished = self._finished[k]
+                self.stats.rollout = (k, finished, size)
+                await asyncio.to_thread(self.cp.rollout_progress, k, finished, size, in_flight=self.stats.in_flight)
 
     async def _trajectory(self, http: aiohttp.ClientSession, traj: Trajectory) -> None:
         rng = random.Random(traj.group)  # a group's members share their prompt, so its cached prefix
@@ -218,8 +288,8 @@ class TrainerEmulator:
     async def _training(self) -> None:
         k = 0
         while not self._stop.is_set():
-            async with self._batch_done:
-                await self._batch_done.wait_for(lambda k=k: self._batches_done > k)
+            async with self._changed:
+                await self._changed.wait_for(lambda k=k: self._reported > k)
             self.stats.training = "waiting"
             t0 = time.monotonic()
             await asyncio.to_thread(self.cp.training_begin, k, wait_s=3600.0)
@@ -229,16 +299,23 @@ class TrainerEmulator:
             version = k + 1
             uri = await asyncio.to_thread(self.write_snapshot, self.snapshot_dir / f"v{version}", version)
             await asyncio.to_thread(self.cp.training_end, k, weights_version=version, snapshot=uri)
-            self.stats.trained_tokens += self._tokens.get(k, 0)
+            tokens = self._tokens.pop(k, 0)
+            self.stats.trained_tokens += tokens
             self.stats.training_steps += 1
             self.stats.last_trained_s = self.stats.elapsed()
+            self.stats.trained_ends.append(self.stats.last_trained_s)
+            self.stats.trained_step_tokens.append(tokens)
             self.stats.training = "idle"
-            async with self._batch_done:
-                self._trained = k + 1
-                self._batch_done.notify_all()
-            k += 1
-            if self.steps is not None and k >= self.steps:
+            if self.steps is not None and k + 1 >= self.steps:
                 return  # the run's last step: ends the run
+            # the servers load the new weights (the simulator's update, `weight_sync_s`); then the trainer
+            # asks for the next batch, which creates the one `staleness` ahead (ROLL's pipeline order)
+            await self._sleep_model(self.sc.training.weight_sync_s)
+            async with self._changed:
+                self._trained = k + 1
+                self._create_batches()
+                self._changed.notify_all()
+            k += 1
 
     # -- preemptible GPUs ----------------------------------------------------------------------------
 
@@ -266,13 +343,13 @@ class TrainerEmulator:
 
 
 def summary(stats: TrainerStats, speed: float) -> dict[str, Any]:
+    """The run's figures; throughput in model seconds, as the simulator measures it (sim/metrics.py)."""
     wall = stats.elapsed()
+    per_step, ratio_of_sums = step_rates([t * speed for t in stats.trained_ends], stats.trained_step_tokens)
     return {"rollout_steps": stats.rollout_steps, "training_steps": stats.training_steps,
             "requests": stats.requests, "failed_requests": stats.failed_requests,
             "resubmitted": stats.resubmitted,
-            "tokens_per_s": stats.trained_tokens / (wall * speed) if wall > 0 else 0.0,
-            # the simulator's companion: the same tokens over the end of the last training step (a finer
-            # comparison on a short run, where the metric moves by whole steps)
-            "tokens_per_s_to_last_step": (stats.trained_tokens / (stats.last_trained_s * speed)
-                                          if stats.last_trained_s > 0 else 0.0),
+            "tokens_per_s": per_step,
+            "tokens_per_s_window": stats.trained_tokens / (wall * speed) if wall > 0 else 0.0,
+            "tokens_per_s_ratio_of_sums": ratio_of_sums,
             "wall_s": wall, "model_s": wall * speed}

@@ -1,27 +1,20 @@
-"""Can the free parameters reach the calibration figures the fit misses? One JSON object.
+"""The pre-registered fit of the calibration round and its scan. One JSON object. The plan:
+docs/fidelity.md, "1. The plan (fixed before fitting)".
 
-The frozen fit of docs/fidelity.md reaches Fig. 2a's scale and Fig. 2b but not Fig. 2a's
-falls with more GPUs nor Fig. 2c's split-against-colocated over batch size. This scans every free
-parameter of its plan over its documented range (`sim/fidelity.py`, `scan_space`) in two stages:
+Every setting is evaluated on Fig. 2a, 2b and 2c (`sim/fidelity.py`, `evaluate`; about 35 s of one
+core each) and scored by `loss`, the plan's sum over its fourteen targets:
 
-1. Fig. 2a and 2b (~2 s of one core each) at the fit itself, at each parameter alone at both ends
-   of its range, at a Latin hypercube of `--points` settings over all seven ranges together, and
-   at a local one of `--local` settings over 30% of each range around the fit (where the settings
-   that keep the reached figures lie: few of the first hypercube's do);
-2. Fig. 2c (~20 s each) at the fit, at each parameter's two ends, and at the hypercube settings
-   that keep the reached figures (at most `--fig2c-max` of them, the first drawn).
+1. stage 1: the previous round's fit (`ROUND_1`) and a Latin hypercube of `--points` settings over
+   the whole ranges (seed `--seed`);
+2. stage 2: a Latin hypercube of `--local` settings over 30% of each range around stage 1's
+   least-loss setting (seed `--seed` + 1);
+3. the fit: the least-loss setting of both stages;
+4. around the fit, each parameter alone at both ends of its range (`--no-sides` skips them);
+5. the fit on seeds 2 .. `--noise-seeds` (the measurement's own noise).
 
-The fit is evaluated on `--noise-seeds` seeds too: `noise` gives each figure's spread over them,
-the measurement's own noise, against which a distance to the paper's is to be read. Each setting
-that holds the reached figures and reaches a missed one (on the one seed of the scan) is evaluated
-on those seeds as well (`better_fit`): it is a better fit than the frozen one only if it still
-holds and reaches on the mean over the seeds (`holds_on_the_mean`, `reached_on_the_mean`).
-
-Figures are evaluated exactly as `bench/fidelity.py` does. Per missed figure it reports the closest
-it comes among the settings that keep every reached figure within 25% of the paper's (`held`) and
-among all settings (`any`, with the figures that setting breaks). `better_fit` lists the settings
-that hold every reached figure and reach a missed one: a better fit than the frozen one, if any.
-Settings run in parallel (`--jobs`, one per CPU by default).
+Per target, `best_reachable` gives the closest any setting came and what that setting left
+unreached. Settings run in parallel (`--jobs`, one per CPU by default); the result is the same for
+any number of jobs.
 """
 
 from __future__ import annotations
@@ -35,90 +28,70 @@ import time
 from pearl.sim import fidelity
 
 
-def _stage1(point: dict) -> dict:
+def _evaluate(point: dict) -> dict:
     t0 = time.perf_counter()
-    figs = fidelity.evaluate(point["setting"], with_fig2c=False, seed=point.get("seed"))
-    wall = round(time.perf_counter() - t0, 1)
-    return {**point, "figures": figs, "broken": fidelity.held_broken(figs), "wall_s": wall}
+    figs = fidelity.evaluate(point["setting"], seed=point.get("seed"))
+    return {**point, "figures": figs, "deviations": fidelity.deviations(figs), "loss": fidelity.loss(figs),
+            "wall_s": round(time.perf_counter() - t0, 1)}
 
 
-def _stage2(point: dict) -> dict:
-    return fidelity.evaluate_fig2c(point["setting"], seed=point.get("seed"))
-
-
-def _full(point: dict) -> dict:
-    return fidelity.evaluate(point["setting"], with_fig2c=True, seed=point.get("seed"))
-
-
-def _noise(runs: list[dict]) -> dict:
-    """Each missed figure's values over the fit's seeds, and their spread (max - min)."""
-    out = {}
-    for name in runs[0]["missed"]:
-        values = [r["missed"][name]["value"] for r in runs if name in r["missed"]]
-        numeric = [v for v in values if isinstance(v, int | float)]
-        out[name] = {"values": values, "spread": round(max(numeric) - min(numeric), 4) if numeric else None}
+def _sides(fit: dict[str, float]) -> list[dict]:
+    """Each parameter alone at both ends of its range, the others at the fit."""
+    out = []
+    for d in fidelity.scan_space():
+        ends = (d.choices[0], d.choices[-1]) if d.choices else (d.low, d.high)
+        for end in ends:
+            if end != fit[d.name]:
+                out.append({"kind": f"{d.name}={end:g}", "setting": {**fit, d.name: float(end)}})
     return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--points", type=int, default=48, help="Latin-hypercube settings over the whole ranges")
-    parser.add_argument("--local", type=int, default=64, help="Latin-hypercube settings around the fit")
-    parser.add_argument("--seed", type=int, default=1, help="the Latin hypercubes' seed")
-    parser.add_argument("--fig2c-max", type=int, default=10, help="hypercube settings that hold the reached "
-                                                                     "figures evaluated on Fig. 2c, at most")
-    parser.add_argument("--noise-seeds", type=int, default=3, help="seeds the fit is evaluated on")
+    parser.add_argument("--points", type=int, default=64, help="stage 1: settings over the whole ranges")
+    parser.add_argument("--local", type=int, default=32, help="stage 2: settings around stage 1's best")
+    parser.add_argument("--seed", type=int, default=1, help="the first Latin hypercube's seed")
+    parser.add_argument("--noise-seeds", type=int, default=3, help="the fit is evaluated on seeds 1 .. N")
+    parser.add_argument("--no-sides", action="store_true", help="skip the one-at-a-time settings")
     parser.add_argument("--jobs", type=int, default=0, help="processes (0: one per CPU)")
     args = parser.parse_args()
-    if min(args.points, args.local, args.fig2c_max) < 0 or args.noise_seeds < 1:
-        parser.error("--points, --local and --fig2c-max must be >= 0, --noise-seeds >= 1")
+    if args.points < 1 or args.local < 0 or args.noise_seeds < 1:
+        parser.error("--points must be >= 1, --local >= 0, --noise-seeds >= 1")
     t0 = time.perf_counter()
     jobs = args.jobs or os.cpu_count() or 1
-    points = fidelity.scan_points(args.points, args.seed, args.local)
-    fitted = points[0]["setting"]
-    reseeded = [{"kind": f"fitted, seed {k}", "setting": fitted, "seed": k} for k in range(2, args.noise_seeds + 1)]
+    dims = fidelity.scan_space()
+    first = [{"kind": "round-1", "setting": dict(fidelity.ROUND_1)}]
+    first += [{"kind": "latin-hypercube", "setting": s} for s in fidelity.latin_hypercube(args.points, dims, args.seed)]
     with multiprocessing.get_context("fork").Pool(jobs) as pool:
-        results = pool.map(_stage1, points + reseeded)
-        results, reseeded = results[: len(points)], results[len(points):]
-        sampled = [r for r in results if r["kind"].endswith("hypercube") and not r["broken"]]
-        second = [r for r in results if not r["kind"].endswith("hypercube")] + sampled[: args.fig2c_max] + reseeded
-        for r, c in zip(second, pool.map(_stage2, second), strict=True):
-            r["figures"]["fig2c"] = c
-    for r in results + reseeded:
-        r["missed"] = fidelity.missed(r["figures"])
-    held = [r for r in results if not r["broken"]]
-    better = []
-    for r in held:
-        reached = [name for name, m in r["missed"].items() if m["reached"]]
-        if reached:
-            better.append({"kind": r["kind"], "setting": r["setting"], "reached_on_seed_1": reached})
-    again = [{"kind": b["kind"], "setting": b["setting"], "seed": k} for b in better
-             for k in range(2, args.noise_seeds + 1)]
-    with multiprocessing.get_context("fork").Pool(jobs) as pool:
-        rerun = pool.map(_full, again)
-    for b in better:
-        runs = [next(r for r in results if r["setting"] == b["setting"] and r["kind"] == b["kind"])["figures"]]
-        runs += [figs for a, figs in zip(again, rerun, strict=True) if a["kind"] == b["kind"]]
-        mean = fidelity.mean_figures(runs)
-        b["mean_over_seeds"] = mean
-        b["holds_on_the_mean"] = not fidelity.held_broken(mean)
-        b["reached_on_the_mean"] = [name for name, m in fidelity.missed(mean).items() if m["reached"]]
+        results = pool.map(_evaluate, first)
+        best = min(results, key=lambda r: r["loss"])
+        if args.local:
+            local = fidelity.latin_hypercube(args.local, dims, args.seed + 1, fidelity.LOCAL_SPAN, best["setting"])
+            results += pool.map(_evaluate, [{"kind": "local-hypercube", "setting": s} for s in local])
+        fit = min(results, key=lambda r: r["loss"])
+        sides = [] if args.no_sides else pool.map(_evaluate, _sides(fit["setting"]))
+        noise = pool.map(_evaluate, [{"kind": f"fit, seed {k}", "setting": fit["setting"], "seed": k}
+                                     for k in range(2, args.noise_seeds + 1)])
+    runs = [fit["figures"], *(r["figures"] for r in noise)]
+    mean = fidelity.mean_figures(runs)
     print(json.dumps({
-        "space": [{"name": d.name, "low": d.low, "high": d.high, "fitted": round(d.fitted, 4), "log": d.log}
-                  for d in fidelity.scan_space()],
-        "tolerance": {"relative": fidelity.TOLERANCE, "split_gain_points": fidelity.SPLIT_GAIN_POINTS},
-        "settings": len(results),
-        "held": len(held),
-        "fig2c_settings": len(second) - len(reseeded),
-        "held_by_kind": {kind: sum(not r["broken"] for r in results if r["kind"] == kind)
-                         for kind in ("latin-hypercube", "local-hypercube")},
-        "noise": _noise([results[0], *reseeded]),
-        "broken_count": {name: sum(name in r["broken"] for r in results)
-                         for name in sorted({n for r in results for n in r["broken"]})},
-        "best_reachable": fidelity.best_reachable(results),
-        "better_fit": better,
+        "space": [{"name": d.name, "low": d.low, "high": d.high, "log": d.log, "choices": list(d.choices)}
+                  for d in dims],
+        "settings": len(results) + len(sides),
+        "fit": {"kind": fit["kind"], "setting": fit["setting"], "loss": fit["loss"], "figures": fit["figures"],
+                "deviations": fit["deviations"],
+                "reached": sorted(n for n, d in fit["deviations"].items() if d["reached"]),
+                "unreached": sorted(n for n, d in fit["deviations"].items() if not d["reached"])},
+        "fit_over_seeds": {"seeds": list(range(1, args.noise_seeds + 1)), "mean": mean,
+                           "deviations": fidelity.deviations(mean), "loss": fidelity.loss(mean),
+                           "per_seed": [{"seed": k + 1, "loss": r["loss"]} for k, r in
+                                        enumerate([fit, *noise])]},
+        "round_1": next(r for r in results if r["kind"] == "round-1"),
+        "stage_1_best": {"setting": best["setting"], "loss": best["loss"]},
+        "best_reachable": fidelity.best_reachable(results + sides),
+        "sides": sides,
         "results": results,
-        "fitted_reseeded": reseeded,
+        "noise": noise,
         "machine": {"cpus": os.cpu_count(), "jobs": jobs, "load_1m": round(os.getloadavg()[0], 2)},
         "wall_s": round(time.perf_counter() - t0, 1),
     }, indent=1, default=str))

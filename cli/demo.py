@@ -134,13 +134,11 @@ def _summary_table(s: dict[str, Any]) -> Group:
     live.add_row("plans applied", str(s["plans_applied"]), str(sim.get("reconfigurations", "-")) + " changes")
     for key in ("weight_syncs", "borrowed_returns", "late_returns", "failed_requests"):
         live.add_row(key.replace("_", " "), str(s[key]), "")
-    sim_tps = s.get("simulated_tokens_per_s")
-    ratio = f" ({s['tokens_per_s'] / sim_tps:.2f}x)" if sim_tps else ""
-    live.add_row("tokens/s", f"{s['tokens_per_s']:,.0f}{ratio}", f"{sim_tps:,.0f}" if sim_tps else "-")
-    sim_last = s.get("simulated_tokens_per_s_to_last_step")
-    ratio = f" ({s['tokens_per_s_to_last_step'] / sim_last:.2f}x)" if sim_last else ""
-    live.add_row("to the last step", f"{s['tokens_per_s_to_last_step']:,.0f}{ratio}",
-                 f"{sim_last:,.0f}" if sim_last else "-")
+    for key, label in (("tokens_per_s", "tokens/s (per step)"), ("tokens_per_s_ratio_of_sums", "  ratio of sums"),
+                       ("tokens_per_s_window", "  over the run")):
+        simulated = s.get(f"simulated_{key}")
+        ratio = f" ({s[key] / simulated:.2f}x)" if simulated else ""
+        live.add_row(label, f"{s[key]:,.0f}{ratio}", f"{simulated:,.0f}" if simulated else "-")
     parts: list[Any] = [live]
     if s.get("systems"):
         systems = Table("system", "tokens/s", "rollout steps", "GPU-seconds", "reconfigurations",

@@ -126,13 +126,17 @@ def rollout_progress(
                                           help="Trajectories of the step finished so far.")],
     batch_size: Annotated[int | None, typer.Option("--batch-size", min=1, max=MAX_ID,
                                                    help="Trajectories in the step (its first report).")] = None,
+    in_flight: Annotated[int | None, typer.Option(
+        "--in-flight", min=0, max=MAX_ID,
+        help="Trajectories of every batch being rolled out now (with asynchronous batching, the next "
+             "batch's too): the fleet's load.")] = None,
     as_json: JsonOption = False,
 ) -> None:
     """How far rollout step N is: the live R of the borrowing gate."""
     with _control_plane() as cp:
-        cp.rollout_progress(step, finished, batch_size, actor="pearlctl event rollout-progress")
+        cp.rollout_progress(step, finished, batch_size, in_flight=in_flight, actor="pearlctl event rollout-progress")
     if as_json:
-        emit_json({"step": step, "finished": finished, "batch_size": batch_size})
+        emit_json({"step": step, "finished": finished, "batch_size": batch_size, "in_flight": in_flight})
     else:
         out.print(f"rollout step {step}: {finished} finished", highlight=False)
 

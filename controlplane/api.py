@@ -141,9 +141,9 @@ class ControlPlane:
             return False
 
     def rollout_progress(self, step: int, finished: int, batch_size: int | None = None, *,
-                         actor: str = "rollout") -> None:
+                         in_flight: int | None = None, actor: str = "rollout") -> None:
         with transaction(self.engine, actor=actor) as session:
-            signals.report_progress(session, step, finished, batch_size)
+            signals.report_progress(session, step, finished, batch_size, in_flight)
 
     def gpus_granted(self, node: str, gpus: list[int] | None = None, *, actor: str = "provider") -> list[int]:
         with transaction(self.engine, actor=actor, reason=f"grant {node}") as session:

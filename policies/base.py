@@ -42,11 +42,30 @@ class Signals:
     # The tails of the latest complete rollout steps (oldest first, a few): for each, how long before
     # the step's last trajectory finished each of its trajectories did (seconds, ascending; 0 first).
     step_tails: tuple[tuple[float, ...], ...] = ()
+    # Trajectories being rolled out now, of every batch (the load on the fleet): with asynchronous
+    # batching the environment slots that finished their trajectory of the batch under way already run
+    # the next batch's. None: not reported, taken as `remaining` (one batch at a time).
+    in_flight: int | None = None
+
+    @property
+    def others_in_flight(self) -> int:
+        """Trajectories in flight beyond the batch under way's unfinished ones (later batches)."""
+        return max(0, self.in_flight - self.remaining) if self.in_flight is not None else 0
 
     @property
     def remaining_fraction(self) -> float:
         """R/B of the borrowing gate (docs/method.md)."""
         return self.remaining / self.batch_size if self.batch_size else 0.0
+
+    @property
+    def load_fraction(self) -> float:
+        """The work the fleet has in hand as a share of a batch: the trajectories in flight over B (at
+        most 1), or R/B when `in_flight` is not reported. One batch at a time, the two are equal; with
+        asynchronous batching the slots done with the batch under way run the next one, and the
+        fleet's speed matters to all of them."""
+        if self.in_flight is None or not self.batch_size:
+            return self.remaining_fraction
+        return min(1.0, max(self.in_flight, self.remaining) / self.batch_size)
 
 
 class Policy(Protocol):

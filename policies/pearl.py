@@ -181,10 +181,12 @@ RETURN_SHARE = 1.0
 
 
 def tail_remaining(dedicated: int, batch: int, toggle_s: float, step_s: float,
-                   tails: tuple[tuple[float, ...], ...] = ()) -> int:
+                   tails: tuple[tuple[float, ...], ...] = (), others: int = 0) -> int:
     """How many unfinished trajectories mark the tail of a step, when borrowed GPUs go back: one per
-    dedicated worker (the overlap workers no longer shorten the step), plus those expected to finish
-    while a return takes (lead L = T_toggle x RETURN_SHARE), so that the return is done in time.
+    dedicated worker not already busy with the `others` trajectories in flight of later batches
+    (once every trajectory in flight fits the dedicated workers one each, the overlap workers no
+    longer shorten anything), plus those expected to finish while a return takes (lead L = T_toggle
+    x RETURN_SHARE), so that the return is done in time.
 
     The expected finishes are the larger of two estimates: the batch finishing at an even pace over
     the step (B x L / T_step), and what the latest steps measured (`Signals.step_tails`): the largest
@@ -195,7 +197,7 @@ def tail_remaining(dedicated: int, batch: int, toggle_s: float, step_s: float,
     lead = RETURN_SHARE * toggle_s
     paced = math.ceil(batch * lead / step_s) if math.isfinite(step_s) and step_s > 0 else 0
     measured = max((-(-batch * bisect.bisect_right(t, lead) // len(t)) for t in tails if t), default=0)
-    return dedicated + max(paced, measured)
+    return max(0, dedicated - others) + max(paced, measured)
 
 
 @dataclass(frozen=True)
@@ -262,7 +264,8 @@ class PearlPolicy:
             # wake the policy at the tail of the step to give the borrowed GPUs back in time
             step_s = a.with_overlap.step_s if a.with_overlap is not None else math.inf
             target = replace(target, recheck_remaining=tail_remaining(
-                len(a.dedicated), signals.batch_size, memory.toggle.seconds, step_s, signals.step_tails))
+                len(a.dedicated), signals.batch_size, memory.toggle.seconds, step_s, signals.step_tails,
+                signals.others_in_flight))
         return target, _record(memory, signals, option.config if option is not None else None)
 
     def assess(self, snapshot: FleetSnapshot, signals: Signals, memory: PearlMemory) -> Assessment:
@@ -281,7 +284,8 @@ class PearlPolicy:
         # The shape of the workers that stay: those leaving (notices, mandatory return) do not count.
         current = current_config(FleetSnapshot(snapshot.state_version, tuple(
             w for w in snapshot.workers if w.available or w.activity is Activity.INACTIVE), snapshot.tp))
-        rf = signals.remaining_fraction if signals.remaining > 0 else 1.0  # no step under way: the next, whole
+        # the work in hand (R/B one batch at a time); no step under way: the next, whole
+        rf = signals.load_fraction if signals.remaining > 0 else 1.0
 
         def option(n: int) -> Option | None:
             if n <= 0:
@@ -305,7 +309,8 @@ class PearlPolicy:
         # the tail, when borrowed workers go back; held ones early enough for their return to finish
         step_s = with_overlap.step_s if with_overlap is not None else math.inf
         tail = tail_remaining(len(dedicated), signals.batch_size, memory.toggle.seconds, step_s,
-                              signals.step_tails) if holding else len(dedicated)
+                              signals.step_tails, signals.others_in_flight) if holding or signals.in_flight \
+            is not None else len(dedicated)
         if 0 < signals.remaining <= tail:
             # The tail of the step: the unfinished trajectories fit the dedicated workers one each (or
             # will by the time a return takes), so the overlap workers no longer shorten it; give

@@ -1,11 +1,10 @@
-"""The throughput no system can exceed on a scenario: the floor of every rollout step.
+"""The throughput no system can exceed on a scenario: every trajectory at its floor.
 
-A rollout step ends when its slowest trajectory does. However many GPUs a system has, a
-trajectory cannot run faster than alone on a worker of its own: every turn prefills only its new
-tokens (the prefix stays cached), decodes at batch 1, and waits for its environment. The slowest
-of the batch on that footing is the step's floor. Playing the trainer's schedule (staleness,
-training step) with every rollout step at its floor, and without the weight-sync pause, gives the
-ceiling of the metric: more than unlimited GPUs and a perfect policy could reach.
+However many GPUs a system has, a trajectory cannot run faster than alone on a worker of its own:
+every turn prefills only its new tokens (the prefix stays cached), decodes at batch 1, and waits for
+its environment. Playing the trainer's schedule (sim/trainer.py: batch creation, environment slots,
+staleness, the training step) with every trajectory at that floor, and without the weight-sync
+pause, gives the ceiling of the metric: more than unlimited GPUs and a perfect policy could reach.
 """
 
 from __future__ import annotations
@@ -13,16 +12,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .engine import EngineTiming
+from .metrics import step_rates
 from .scenario import Scenario, serving_perf
 from .trajectories import Trajectory, sample_batch
 
 
 @dataclass(frozen=True)
 class Ceiling:
-    tokens_per_s: float  # the metric with every step at its floor
+    tokens_per_s: float  # the metric (per-step throughput) with every trajectory at its floor
     training_steps: int  # steps trained within duration_s
-    mean_floor_s: float  # mean rollout-step floor over those steps
-    floors_s: tuple[float, ...]  # the floor of each rollout step played
+    mean_floor_s: float  # mean rollout-step makespan (interval between batch completions) over those steps
+    floors_s: tuple[float, ...]  # the makespan of each rollout step played
 
 
 def trajectory_floor_s(traj: Trajectory, timing: EngineTiming) -> float:
@@ -41,28 +41,36 @@ def trajectory_floor_s(traj: Trajectory, timing: EngineTiming) -> float:
 
 
 def ceiling(scenario: Scenario) -> Ceiling:
-    """The trainer's schedule (docs/simulator.md, "The trainer") with every rollout step at its floor."""
+    """The trainer's schedule (docs/simulator.md, "The trainer") with every trajectory at its floor."""
     timing = EngineTiming(serving_perf(scenario))
     training, duration = scenario.training, scenario.duration_s
-    rollout_end, train_end = 0.0, 0.0
+    slots = [0.0] * scenario.env_slots  # when each environment slot is free
+    complete: list[float] = []  # when each batch completed
     trained_ends: list[float] = []  # when each training step ended
     floors: list[float] = []
-    tokens, steps, step = 0, 0, 0
+    tokens: list[int] = []
+    step = 0
     while True:
-        # rollout k starts once rollout k-1 is complete and the weights are at most `staleness` old
-        needed = step - training.staleness  # training steps that must be done before it starts
-        start = max(rollout_end, trained_ends[needed - 1] if needed > 0 else 0.0)
-        if start >= duration:
+        # batch k exists once k - staleness training steps are done (sync: and batch k-1 is complete)
+        needed = step - training.staleness
+        created = trained_ends[needed - 1] if needed > 0 else 0.0
+        if training.batching == "sync" and complete:
+            created = max(created, complete[-1])
+        if created >= duration:
             break
         batch = sample_batch(scenario.workload, scenario.seed, step)
-        floor = max(trajectory_floor_s(t, timing) for t in batch)
-        rollout_end = start + floor
-        train_end = max(rollout_end, train_end) + training.step_s
+        for i, traj in enumerate(batch):  # slot i % S runs trajectories i, i + S, ... in turn
+            slot = i % len(slots)
+            slots[slot] = max(slots[slot], created) + trajectory_floor_s(traj, timing)
+        done = max(slots)
+        begin = max(complete[-1] if complete else 0.0, created)
+        complete.append(done)
+        train_end = max(done, trained_ends[-1] if trained_ends else 0.0) + training.step_s
         if train_end > duration:
             break
         trained_ends.append(train_end)
-        floors.append(floor)
-        tokens += sum(t.metric_tokens for t in batch)
-        steps += 1
+        floors.append(done - begin)
+        tokens.append(sum(t.metric_tokens for t in batch))
         step += 1
-    return Ceiling(tokens / duration, steps, sum(floors) / len(floors) if floors else 0.0, tuple(floors))
+    per_step, _ = step_rates(trained_ends, tokens)
+    return Ceiling(per_step, len(trained_ends), sum(floors) / len(floors) if floors else 0.0, tuple(floors))

@@ -84,6 +84,9 @@ class Executor:
         self.plans: dict[int, PlanRun] = {}
         self.next_id = 0
         self.idle_waiters: dict[int, StepRun] = {}  # worker -> flip waiting for its server to drain
+        # a flip waits for its drained server to finish what it holds; without (the oracle's free
+        # reconfiguration) the server gives its requests up at once, each keeping its progress
+        self.drain_wait = True
         self.release_waiters: dict[int, list[StepRun]] = {}  # worker -> first steps waiting for a release
         self.cancelled_groups = 0
         self.durations: dict[str, float] = {}  # latest measured seconds per action kind (policies' costs)
@@ -161,7 +164,7 @@ class Executor:
         if a is StepAction.FLIP_ROLE and w.engine is None:
             self._flip_as_restart(run, now)
             return
-        if a is StepAction.FLIP_ROLE and not w.engine.idle:
+        if a is StepAction.FLIP_ROLE and not w.engine.idle and self.drain_wait:
             run.status = WAITING_IDLE
             self.idle_waiters[w.id] = run
             return

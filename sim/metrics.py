@@ -1,13 +1,16 @@
-"""What a run reports: the metric of docs/method.md, the costs, and timelines for the plots.
+"""What a run reports: the metrics of docs/method.md, the costs, and timelines for the plots.
 
-tokens_per_s: over the training steps completed within `duration_s`, each trained batch's generated
-tokens plus all its tokens (prompt, observations, generated), divided by `duration_s`. Each token
-counts once: re-prefills after a cache miss or an interruption are work, not tokens.
+Every trained batch counts its generated tokens plus all its tokens (prompt, observations,
+generated), once: re-prefills after a cache miss or an interruption are work, not tokens. With E_k
+the end of training step k and N_k the tokens of its batch:
 
-tokens_per_s_to_last_step (the companion): the same tokens over the end time of the last training
-step completed, not over `duration_s`. The metric moves by a whole step's tokens when one more step
-fits in the run (one step of a paper scenario is worth several percent); the companion is the rate
-the run sustained up to its last step, so it does not jump with where the run's end happens to fall.
+- tokens_per_s (the paper's per-step throughput): the mean over steps k >= 1 of N_k / (E_k - E_{k-1});
+  the first step is dropped (its interval includes the start of the run).
+- tokens_per_s_ratio_of_sums: the same steps' tokens over the same time, sum(N_k) / (E_last - E_0).
+- tokens_per_s_window: the tokens of the steps completed within `duration_s`, over `duration_s`;
+  it moves by a whole step's tokens when one more step fits in the run.
+
+With a single step completed, the first two are its tokens over its end time; with none, 0.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ class Timeline:
     fleet_samples: list[tuple[float, dict[str, int]]] = field(default_factory=list)
     availability: list[tuple[float, int]] = field(default_factory=list)
     training_ends: list[float] = field(default_factory=list)
+    trained_tokens: list[int] = field(default_factory=list)  # the metric's tokens of each trained step
 
     def __post_init__(self) -> None:
         self.generated_bins = [0] * max(1, math.ceil(self.duration_s / BIN_S))
@@ -44,15 +48,30 @@ class Timeline:
     def available(self, t: float, gpus: int) -> None:
         self.availability.append((t, gpus))
 
-    def trained(self, t: float) -> None:
+    def trained(self, t: float, tokens: int) -> None:
         self.training_ends.append(t)
+        self.trained_tokens.append(tokens)
+
+
+def step_rates(ends: list[float], tokens: list[int]) -> tuple[float, float]:
+    """(per-step mean, ratio of sums) of the steps that ended at `ends` with `tokens` each (module
+    docstring); 0 without a step."""
+    if not ends:
+        return 0.0, 0.0
+    if len(ends) == 1:
+        rate = tokens[0] / ends[0] if ends[0] > 0 else 0.0
+        return rate, rate
+    rates = [n / (end - before) for n, end, before in zip(tokens[1:], ends[1:], ends, strict=False)]
+    return sum(rates) / len(rates), sum(tokens[1:]) / (ends[-1] - ends[0])
 
 
 @dataclass
 class Result:
     scenario: str
     policy: str
-    tokens_per_s: float  # the metric (docs/method.md)
+    tokens_per_s: float  # the metric (docs/method.md): per-step throughput
+    tokens_per_s_window: float  # the trained steps' tokens over duration_s
+    tokens_per_s_ratio_of_sums: float  # the per-step metric's tokens over its time
     rollout_steps: int  # rollout batches completed within the run
     training_steps: int  # training steps completed within the run (the ones the metric counts)
     gpu_seconds: float  # GPU-seconds held by rollout workers, dedicated and borrowed
@@ -69,7 +88,6 @@ class Result:
     wall_s: float
     timeline: Timeline | None = None
     step_makespans_s: tuple[float, ...] = ()  # each rollout step's makespan, in order
-    tokens_per_s_to_last_step: float = 0.0  # the companion: the same tokens over the last trained step's end time
 
     def as_dict(self) -> dict[str, Any]:
         """The `--json` keys (docs/formats.md) and the extra ones; the timeline and the per-step makespans are

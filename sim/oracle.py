@@ -1,15 +1,19 @@
 """`oracle`: an upper bound with hindsight and free reconfiguration, its own simulator run.
 
-For each rollout step the oracle pauses the run at the step's beginning, before the batch is
-dispatched, copies it once per candidate (colocated, or split with N_P prefill workers; each with or
-without borrowing the idle training GPUs), puts the candidate's fleet in place (at no cost, so at
-once) and only then dispatches the batch, plays every copy to the end of that step, and continues
-from the copy that ended it first. Step 0 is chosen the same way, so the t=0 fleet is the chosen
-candidate's, as pearl's t=0 fleet is its first decision. It never reads other systems' results.
+For each rollout step the oracle pauses the run as the step begins (its batch becomes the one under
+way: the previous batch is complete and this one exists), copies it once per candidate (colocated,
+or split with N_P prefill workers; each with or without borrowing the idle training GPUs), puts the
+candidate's fleet in place (at no cost, so at once: turns on a worker that goes are resubmitted with
+their progress), plays every copy to the end of that step, and continues from the copy that ended it
+first. Step 0 is chosen the same way at t=0, before its batch starts, so the fleet that serves it
+is the chosen candidate's.
+It never reads other systems' results.
 
 - Free reconfiguration: every reconfiguration cost is zero for it (cold start, admission, role
-  switch, borrow and return, the weight load of a new server). The weight sync after each training
-  step still pauses every server: that is the workload, paid by every system alike.
+  switch, borrow and return, the weight load of a new server), and a role flip does not wait for
+  the server to finish its requests (they move on at once, each keeping its progress). The weight
+  sync after each training step still pauses every server: that is the workload, paid by every
+  system alike.
 - Hindsight: a candidate is judged by simulating the step to its end, preemptions and grants of
   the trace included (the oracle knows the whole trace; with zero start costs a worker is ready the
   moment its GPUs are granted).
@@ -78,34 +82,48 @@ class OraclePolicy:
 
 
 class _Playable(Simulation):
-    """A run whose reconfigurations are free, that halts when a rollout step begins (its batch held
-    back until `play` picks the fleet) and, with `stop_after`, when that step ends."""
+    """A run whose reconfigurations are free, that halts when a rollout step begins (until `play` picks
+    its fleet) and, with `stop_after`, when that step ends."""
 
     def __init__(self, scenario: Scenario, progress: Callable[[float], None] | None = None) -> None:
         super().__init__(scenario, OraclePolicy(), progress)
         self.executor.cost = FREE
         self.executor.weight_sync_s = 0.0  # a new server's weight load; the post-training sync stays
+        self.executor.drain_wait = False  # a flip does not wait for the server's requests to finish
         self.stop_after: int | None = None  # halt when this rollout step ends
-        self.held_back = False  # a rollout step has begun; its batch waits for `play`
+        self.held_back = False  # a rollout step has begun; its fleet waits for `play`
+        self.chosen_for = -1  # the step whose fleet `play` put in place last
 
     def _rollout_end(self) -> None:
-        step = self.trainer.rollout_step
+        step = self.begun
         super()._rollout_end()
         if step == self.stop_after:
             self.halted = True
 
-    def _dispatch_batch(self) -> None:
-        self.held_back = True
-        self.halted = True
+    def _create_batches(self) -> None:
+        if self.trainer.created == 0 and self.chosen_for < 0:  # step 0: its fleet first, then its batch
+            self.held_back = self.halted = True
+            return
+        super()._create_batches()
+
+    def _rollout_begin(self) -> None:
+        if self.begun != self.chosen_for:
+            self.held_back = self.halted = True
+
+    @property
+    def step_held(self) -> int:
+        """The step whose fleet waits for `play`."""
+        return self.begun if self.trainer.created else 0
 
     def play(self, choice: Choice) -> None:
-        """Put `choice`'s fleet in place (free reconfiguration takes no time), then dispatch the batch."""
+        """Put `choice`'s fleet in place (free reconfiguration takes no time) for the step under way."""
         self.memory = choice
         self.decide_pending.append("oracle")
         self._decide()
-        self.held_back = False
-        self.halted = False
-        super()._dispatch_batch()
+        self.held_back = self.halted = False
+        self.chosen_for = self.step_held
+        if self.trainer.created == 0:
+            self._create_batches()
 
 
 def candidates(sim: Simulation) -> list[Choice]:
@@ -122,14 +140,14 @@ def candidates(sim: Simulation) -> list[Choice]:
 
 def _fork(sim: _Playable) -> _Playable:
     """A copy of the paused run sharing what never changes (scenario, perf model, policy)."""
-    shared = {id(x): x for x in (sim.sc, sim.perf, sim.timing, sim.policy, sim.executor.cost)}
+    shared = {id(x): x for x in (sim.sc, sim.perf, sim.policy, sim.executor.cost, *sim.timings.values())}
     shared[id(sim.progress)] = None
     return copy.deepcopy(sim, shared)
 
 
 def _best_step(sim: _Playable) -> tuple[_Playable, int]:
-    """Play the step held back once per candidate; the copy that ended it first (and how many ran)."""
-    step, duration = sim.trainer.rollout_step, sim.sc.duration_s
+    """Play the step that just began once per candidate; the copy that ended it first (and how many ran)."""
+    step, duration = sim.step_held, sim.sc.duration_s
     best: _Playable | None = None
     best_key: tuple[int, float] = (2, 0.0)
     tried = 0
@@ -154,7 +172,7 @@ def _best_step(sim: _Playable) -> tuple[_Playable, int]:
 def search(scenario: Scenario, progress: Callable[[float], None] | None = None) -> Simulation:
     """The oracle's run, played step by step to `duration_s` (module docstring); not yet finished."""
     sim = _Playable(scenario, progress)
-    sim.begin()  # halts as step 0 begins, its batch held back
+    sim.begin()  # halts as step 0 begins
     while sim.now < sim.sc.duration_s:
         if sim.held_back:
             sim, _ = _best_step(sim)

@@ -25,14 +25,14 @@ from pearl.policies.base import Policy, Signals
 from .availability import Change, availability_changes
 from .engine import TRANSFERRING, Engine, EngineTiming, Request
 from .executor import Executor, PlanRun, StepRun
-from .metrics import Result, Timeline
+from .metrics import Result, Timeline, step_rates
 from .router import Router
 from .scenario import Scenario, serving_perf
 from .trainer import Trainer
 from .trajectories import Trajectory, sample_batch
 from .workers import Cluster, Worker
 
-EV_WAKE, EV_ENV, EV_KV, EV_STEP, EV_TRAIN_END, EV_TRACE, EV_DEADLINE, EV_DECIDE = range(8)
+EV_WAKE, EV_ENV, EV_KV, EV_STEP, EV_TRAIN_END, EV_TRACE, EV_DEADLINE, EV_DECIDE, EV_UPDATED = range(9)
 ITERATIONS_PER_TELEMETRY = 64  # engine iteration records sampled into each step's telemetry
 TOGGLE_HISTORY = 8  # borrow cycles whose measured cost the policy sees
 TAIL_HISTORY = 3  # complete rollout steps whose tail (finish times before the end) the policy sees
@@ -50,6 +50,8 @@ class Simulation:
         self.progress = progress
         self.perf = serving_perf(scenario)
         self.timing = EngineTiming(self.perf)
+        self.timings = {role: EngineTiming(self.perf.for_role(role)) for role in (Role.PREFILL, Role.DECODE)}
+        self.timings[Role.COLOCATED] = self.timing  # each role at its own serving efficiency
         self.cluster = Cluster(scenario)
         self.workers = {w.id: w for w in self.cluster.workers}
         self.router = Router()
@@ -64,14 +66,25 @@ class Simulation:
         self.nic_free: dict[Engine, float] = {}
         self.decide_pending: list[str] = []
         self.halted = False  # set by a subclass to stop `advance` after the current event (the oracle)
-        self.batch: list[Trajectory] = []
-        self.remaining = 0
+        self.batches: dict[int, list[Trajectory]] = {}  # batches created and not complete, by index
+        self.unfinished: dict[int, int] = {}  # their unfinished trajectories
+        slots = scenario.env_slots
+        # environment slot i runs trajectories i, i + S, i + 2S, ... of each batch, one after the other
+        self.slot_next = [(0, i) for i in range(slots)]  # (batch, index in it) of each slot's next trajectory
+        self.slots_waiting = set(range(slots))  # slots whose next trajectory is not started
+        self.begun = -1  # the latest batch that became the one under way (rollout_begin)
+        self.started_at: dict[int, float] = {}  # trajectory id -> when its slot started it
+        self.ended_at: dict[int, list[float]] = {}  # batch -> when each of its trajectories finished
+        self.remaining = 0  # unfinished trajectories of the batch under way
         self.recheck_remaining: int | None = None  # the latest target's wake-up hint (Target.recheck_remaining)
         self.telemetry: StepTelemetry | None = None
         self.batch_tokens: dict[int, int] = {}
         self.step_begin = 0.0
         self.makespans: list[float] = []
-        self.trajectory_durations: list[float] = []  # each finished trajectory: its end - its step's start
+        # the trainer's wait for each batch, from its last weight update to the batch's completion (0 when
+        # the batch was complete first): ROLL's time/step_rollout, the paper's rollout time
+        self.rollout_waits: list[float] = []
+        self.trajectory_durations: list[float] = []  # each finished trajectory: its end - its start
         self.step_tails: tuple[tuple[float, ...], ...] = ()  # Signals.step_tails
         self.borrow: dict[int, list[float]] = {}  # overlap worker -> [bound, admitted, return began]
         self.toggle_costs: list[float] = []
@@ -87,6 +100,7 @@ class Simulation:
         self.retracted = 0
         self.turn_tokens = 0  # tokens of finished turns
         self.retired_decode_tokens = 0  # decoded by engines that no longer exist
+        self.discarded_tokens = 0  # partial turns a weight update aborted (`weight_update: abort`)
         self.live = self.env_waiting = 0
         self.live_area = self.decoding_area = 0.0
         self.live_since = 0.0
@@ -112,7 +126,7 @@ class Simulation:
         for change in changes:
             self.push(change.t, EV_TRACE, change)
         self._install()
-        self._try_rollout()
+        self._create_batches()
 
     def advance(self, until: float) -> None:
         """Process every event up to `until` (a run can be paused, copied and resumed: the oracle)."""
@@ -138,6 +152,8 @@ class Simulation:
                 self._deadline(a, b)
             elif kind == EV_DECIDE:
                 self._decide()
+            elif kind == EV_UPDATED:
+                self._updated()
             if self.progress is not None and t >= next_report:
                 self.progress(t)
                 next_report = t + 60.0
@@ -160,7 +176,7 @@ class Simulation:
             toggle_cycles=len(self.toggle_costs), step_durations=dict(self.executor.durations),
             weights_version=tr.trained, plans_in_flight=len(self.executor.plans),
             last_training_s=(tr.step_times[-1][1] - tr.step_times[-1][0]) if tr.step_times else None,
-            step_tails=self.step_tails,
+            step_tails=self.step_tails, in_flight=self.live,
         )
 
     def _overlap_free(self) -> bool:
@@ -251,7 +267,7 @@ class Simulation:
 
     def started(self, w: Worker, role: Role, now: float) -> None:
         capacity = self.perf.kv_capacity_tokens
-        w.engine = Engine(w.id, role, self.timing, capacity, self.sink, self.prefix_cache)
+        w.engine = Engine(w.id, role, self.timings[role], capacity, self.sink, self.prefix_cache)
 
     def loaded(self, w: Worker, now: float) -> None:
         w.weights_version = self.trainer.trained
@@ -260,7 +276,7 @@ class Simulation:
         if w.engine is None:
             return
         self.router.admit(w.engine)
-        if w.id in self.borrow:
+        if w.id in self.borrow and math.isnan(self.borrow[w.id][1]):  # the cycle's first admission (not a flip's)
             self.borrow[w.id][1] = now
         self._sample_fleet()
         if self.router.pending and self.router.can_serve():
@@ -325,17 +341,25 @@ class Simulation:
         self._outcomes(pe, pe.transferred(req, self.now))
         self._outcomes(de, de.join(req, self.now))
 
-    def _abort(self, engine: Engine) -> None:
-        """Interrupt everything on `engine`; each trajectory keeps its progress and goes elsewhere."""
+    def _abort(self, engine: Engine, discard: bool = False) -> list[Request]:
+        """Interrupt everything on `engine`; each trajectory keeps its progress and goes elsewhere. With
+        `discard` (a weight update that aborts) the turns lose what they generated and the aborted
+        requests are returned, to be sent again by the caller."""
         aborted, done = engine.interrupt(self.now)
         self._outcomes(engine, done)
         for req in aborted:
             for other in (req.prefill_engine, req.engine):
                 if other is not None and other is not engine:
                     self._outcomes(other, other.cancel(req, self.now))
+        if discard:
+            for req in aborted:
+                self.discarded_tokens += req.traj.turn_generated
+                req.traj.turn_generated = 0
+            return aborted
         self.interrupted += len(aborted)
         for req in aborted:
             self._dispatch(req.traj)
+        return []
 
     def _turn_done(self, traj: Trajectory, engine: Engine) -> None:
         gen = traj.gen[traj.turn]
@@ -345,16 +369,7 @@ class Simulation:
         self.turn_tokens += gen
         self.timeline.generated(self.now, gen)
         if traj.turn == traj.turns - 1:
-            self._live_change(-1, 0)
-            traj.done = True
-            self.trajectory_durations.append(self.now - self.step_begin)
-            self.router.finished(traj)
-            self.remaining -= 1
-            if self.remaining == 0:
-                self._rollout_end()
-            elif self.recheck_remaining is not None and self.remaining <= self.recheck_remaining:
-                self.recheck_remaining = None  # once; the policy sets it again if it still wants it
-                self.request_decision("tail")
+            self._trajectory_done(traj)
             return
         self._live_change(0, 1)
         self.push(self.now + traj.env_s[traj.turn], EV_ENV, traj)
@@ -373,48 +388,98 @@ class Simulation:
         self.live += live
         self.env_waiting += env
 
-    # -- rollout steps and training --------------------------------------------------------------
+    # -- batches, environment slots and training -------------------------------------------------
 
-    def _try_rollout(self) -> None:
-        if not self.trainer.can_roll_out():
+    def _create_batches(self) -> None:
+        """Create every batch the trainer's rule allows now (sim/trainer.py); their slots start them."""
+        while self.trainer.can_create():
+            k = self.trainer.create()
+            self.batches[k] = sample_batch(self.sc.workload, self.sc.seed, k)
+            self.unfinished[k] = len(self.batches[k])
+            self.ended_at[k] = []
+            self._batch_created(k)
+        self._begin_next()
+        self._start_waiting_slots()
+
+    def _batch_created(self, k: int) -> None:
+        """Hook: batch k was just created (the oracle picks its fleet here)."""
+
+    def _start_waiting_slots(self) -> None:
+        for slot in sorted(self.slots_waiting):
+            k, i = self.slot_next[slot]
+            batch = self.batches.get(k)
+            if batch is not None:
+                self.slots_waiting.discard(slot)
+                self._start(batch[i])
+
+    def _start(self, traj: Trajectory) -> None:
+        self.started_at[traj.id] = self.now
+        self._live_change(1, 0)
+        self._dispatch(traj)
+
+    def _trajectory_done(self, traj: Trajectory) -> None:
+        self._live_change(-1, 0)
+        traj.done = True
+        self.trajectory_durations.append(self.now - self.started_at.pop(traj.id))
+        self.ended_at[traj.step].append(self.now)
+        self.router.finished(traj)
+        slots, b = len(self.slot_next), self.sc.workload.batch_size
+        i = traj.id - traj.step * b
+        self.slot_next[i % slots] = (traj.step, i + slots) if i + slots < b else (traj.step + 1, i % slots)
+        self.slots_waiting.add(i % slots)
+        self.unfinished[traj.step] -= 1
+        if traj.step == self.begun:
+            self.remaining = self.unfinished[traj.step]
+            if self.remaining == 0:
+                self._rollout_end()
+            elif self.recheck_remaining is not None and self.remaining <= self.recheck_remaining:
+                self.recheck_remaining = None  # once; the policy sets it again if it still wants it
+                self.request_decision("tail")
+        self._start_waiting_slots()
+
+    def _begin_next(self) -> None:
+        """The oldest incomplete batch becomes the one under way once it exists: its makespan, telemetry
+        and the policy's R count from here."""
+        k = self.trainer.batches_done
+        if k == self.begun or k not in self.batches:
             return
-        step = self.trainer.start_rollout()
-        self.batch = sample_batch(self.sc.workload, self.sc.seed, step)
-        self.remaining = len(self.batch)
+        self.begun = k
+        self.remaining = self.unfinished[k]
         self.step_begin = self.now
         self.sink.clear()
+        self._live_change(0, 0)
         self.live_area = self.decoding_area = 0.0
-        self._live_change(len(self.batch), 0)
-        self._dispatch_batch()
+        self._rollout_begin()
 
-    def _dispatch_batch(self) -> None:
-        """Send the new batch's first turns to the fleet (the oracle first picks the fleet)."""
-        for traj in self.batch:
-            self._dispatch(traj)
+    def _rollout_begin(self) -> None:
+        """Hook: the batch `begun` is now under way (the oracle pauses here)."""
         self.request_decision("rollout_begin")
 
     def _rollout_end(self) -> None:
-        step = self.trainer.rollout_step
+        step = self.begun
         self._live_change(0, 0)
         makespan = self.now - self.step_begin
         self.makespans.append(makespan)
-        tail = tuple(sorted(makespan - d for d in self.trajectory_durations[-len(self.batch):]))
-        self.step_tails = (*self.step_tails, tail)[-TAIL_HISTORY:]
-        self.batch_tokens[step] = sum(t.metric_tokens for t in self.batch)
-        self.telemetry = self._step_telemetry(step)
+        self.rollout_waits.append(max(0.0, self.now - self.trainer.ready_at) if self.trainer.updated == step else 0.0)
+        batch = self.batches.pop(step)
+        self.step_tails = (*self.step_tails, tuple(sorted(min(makespan, self.now - end)
+                                                           for end in self.ended_at.pop(step))))[-TAIL_HISTORY:]
+        del self.unfinished[step]
+        self.batch_tokens[step] = sum(t.metric_tokens for t in batch)
+        self.telemetry = self._step_telemetry(step, batch)
         self.trainer.finish_rollout()
         self.request_decision("rollout_end")
         self._try_train()
-        self._try_rollout()
+        self._create_batches()
 
-    def _step_telemetry(self, step: int) -> StepTelemetry:
+    def _step_telemetry(self, step: int, batch: list[Trajectory]) -> StepTelemetry:
         records = [r for r in self.sink if r[5] > 0]
         if len(records) > ITERATIONS_PER_TELEMETRY:
             stride = len(records) / ITERATIONS_PER_TELEMETRY
             records = [records[int(i * stride)] for i in range(ITERATIONS_PER_TELEMETRY)]
         fraction = self.decoding_area / self.live_area if self.live_area > 0 else None
         return StepTelemetry(
-            step=step, batch_size=len(self.batch), trajectories=[t.record() for t in self.batch],
+            step=step, batch_size=len(batch), trajectories=[t.record() for t in batch],
             iterations=[IterationRecord(worker=w, role=role, batch=b, context_tokens_mean=ctx, prefill_tokens=p,
                                         seconds=s) for w, role, b, ctx, p, s in records],
             decode_fraction=min(1.0, fraction) if fraction else None,
@@ -434,16 +499,27 @@ class Simulation:
 
     def _training_end(self) -> None:
         version = self.trainer.finish_training(self.now)
-        self.tokens_trained += self.batch_tokens.pop(version - 1)
+        tokens = self.batch_tokens.pop(version - 1)
+        self.tokens_trained += tokens
         until = self.now + self.sc.training.weight_sync_s
+        aborted: list[Request] = []
         for w in self.cluster.workers:
             if w.engine is not None:
+                if self.sc.training.weight_update == "abort":
+                    aborted += self._abort(w.engine, discard=True)
                 self._outcomes(w.engine, w.engine.pause(self.now, until))
                 w.weights_version = version
-        self.timeline.trained(self.now)
+        for req in aborted:  # re-issued to the new weights: they wait for the pause
+            self._dispatch(req.traj)
+        self.timeline.trained(self.now, tokens)
         self.request_decision("training_end")
+        self.push(until, EV_UPDATED)
+
+    def _updated(self) -> None:
+        """The weight update is done: the trainer asks for the next batch (ROLL's get_batch)."""
+        self.trainer.finish_update(self.now)
         self._try_train()
-        self._try_rollout()
+        self._create_batches()
 
     # -- preemptible GPUs ------------------------------------------------------------------------
 
@@ -480,7 +556,8 @@ class Simulation:
         """(tokens the engines decoded, tokens the trajectories hold): equal when nothing is lost."""
         engines = [w.engine for w in self.cluster.workers if w.engine is not None]
         decoded = self.retired_decode_tokens + sum(e.decode_tokens for e in engines)
-        held = self.turn_tokens + sum(t.turn_generated for t in self.batch)
+        held = self.turn_tokens + self.discarded_tokens
+        held += sum(t.turn_generated for batch in self.batches.values() for t in batch)
         return decoded, held + sum(e.decoding_progress() for e in engines)
 
     def _count_gpus(self, delta: int) -> None:
@@ -498,11 +575,11 @@ class Simulation:
 
     def _result(self, events: int, wall_s: float) -> Result:
         tr = self.trainer
+        per_step, ratio_of_sums = step_rates(self.timeline.training_ends, self.timeline.trained_tokens)
         return Result(
             scenario=self.sc.name, policy=self.policy.name,
-            tokens_per_s=self.tokens_trained / self.sc.duration_s,
-            tokens_per_s_to_last_step=(self.tokens_trained / self.timeline.training_ends[-1]
-                                       if self.timeline.training_ends else 0.0),
+            tokens_per_s=per_step, tokens_per_s_window=self.tokens_trained / self.sc.duration_s,
+            tokens_per_s_ratio_of_sums=ratio_of_sums,
             rollout_steps=tr.batches_done, training_steps=tr.trained, gpu_seconds=self.gpu_seconds,
             reconfigurations=self.reconfigurations, plans=self.plans,
             late_returns=tr.late_returns, lateness_s=tr.lateness_s, forced_releases=self.forced_releases,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import yaml
 from pearl.controlplane.core.catalog import default_catalog
@@ -55,9 +55,23 @@ class Cluster(_Strict):
 
 
 class Training(_Strict):
+    """The RL framework's loop (docs/simulator.md, "The trainer")."""
+
     step_s: float = Field(gt=0)  # one optimizer step on the training GPUs
     staleness: int = Field(default=1, ge=0)
     weight_sync_s: float = Field(default=0.0, ge=0)
+    # async: every environment slot runs its trajectories back to back, one per batch, at most
+    # `staleness` batches ahead of training (ROLL's async_generation_ratio); sync: each batch starts
+    # whole once the previous one is complete (a per-batch barrier)
+    batching: Literal["async", "sync"] = "async"
+    # at a weight update: keep (pearl's weight sync: the servers pause, running turns keep their
+    # progress) or abort (ROLL's: running turns are aborted, their partial output discarded, and
+    # re-issued to the new weights; the prefix cache is flushed)
+    weight_update: Literal["keep", "abort"] = "keep"
+    # environment slots (trajectories rolled out at once): each runs batch_size / env_slots trajectories
+    # of a batch one after the other (ROLL: num_env_groups x group_size, with max_traj_per_env
+    # trajectories each per step); None: one slot per trajectory of a batch
+    env_slots: int | None = Field(default=None, gt=0)
 
 
 class Reconfig(_Strict):
@@ -88,11 +102,20 @@ class Scenario(_Strict):
         if self.tp > GPUS_PER_NODE:
             raise ValueError(f"tp ({self.tp}) must be at most {GPUS_PER_NODE}: a worker's GPUs are on one node "
                              f"of {GPUS_PER_NODE}")
+        slots = self.training.env_slots
+        if slots is not None and self.workload.batch_size % slots:
+            raise ValueError(f"training.env_slots ({slots}) must divide workload.batch_size "
+                             f"({self.workload.batch_size}): every slot runs as many trajectories of a batch")
         for key, n in (("cluster.training_gpus", self.cluster.training_gpus),
                        ("cluster.reserved_rollout_gpus", self.cluster.reserved_rollout_gpus)):
             if n % self.tp:
                 raise ValueError(f"{key} ({n}) must be a multiple of tp ({self.tp})")
         return self
+
+    @property
+    def env_slots(self) -> int:
+        """Trajectories rolled out at once (training.env_slots, or one per trajectory of a batch)."""
+        return self.training.env_slots or self.workload.batch_size
 
     @property
     def max_preemptible_gpus(self) -> int:

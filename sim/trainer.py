@@ -1,9 +1,21 @@
-"""The asynchronous trainer (docs/simulator.md, "The trainer", the same for every system).
+"""The RL framework's loop (docs/simulator.md, "The trainer", the same for every system).
 
-With staleness s, the rollout of batch j may start once batch j-1 is complete and the weights are at
-most s versions old (training steps done >= j - s). Training step k starts when batch k is complete,
-step k-1 is done, and every borrowed training GPU is back; a late return delays it and is counted.
-A step takes `step_s` on the training GPUs, then the new weights sync to the rollout workers.
+Batches are created, rolled out, trained on, in order, as ROLL's pipeline runs each step: the weight
+update (`weight_sync_s`, the servers paused), then `get_batch` (which creates the next batches and
+waits for the oldest), then the optimizer step. With staleness s:
+
+- `async` (ROLL's asynchronous mode, `async_generation_ratio` = s): batches 0..s exist from the
+  start; the weight update after training step k creates batch k + s + 1. Every environment slot
+  runs its trajectories back to back, so a slot that finishes its trajectories of batch e starts
+  batch e+1 at once if it exists, never more than s batches ahead of the weights.
+- `sync`: batch k is created once batch k-1 is complete and the weights of step k-s-1 are in place;
+  every trajectory of it starts then (a per-batch barrier).
+
+Batch k is complete when its last trajectory finishes. Training step k starts when batch k is
+complete, the weight update after step k-1 is done, and every borrowed training GPU is back; a late
+return delays it and is counted. A step takes `step_s` on the training GPUs, then the new weights go
+to the rollout workers. The trainer's wait for batch k (ROLL's `time/step_rollout`, the paper's
+rollout time) runs from the end of that update to the batch's completion.
 """
 
 from __future__ import annotations
@@ -16,10 +28,11 @@ from .scenario import Training
 @dataclass
 class Trainer:
     config: Training
-    batches_done: int = 0  # rollout batches complete
-    rollout_step: int = -1  # the batch being rolled out (-1: none yet)
-    rolling: bool = False
+    created: int = 0  # batches created: 0 .. created-1 exist
+    batches_done: int = 0  # rollout batches complete (always the oldest first)
     trained: int = 0  # training steps done (= the weights version the rollout workers get)
+    updated: int = 0  # weight updates done after them (the weights version the rollout workers run)
+    ready_at: float = 0.0  # when the trainer last became ready for a batch (its update done)
     training: bool = False  # a step occupies the training GPUs
     step_started: float = 0.0
     wanted_since: float | None = None  # the next step could start but borrowed GPUs are not back
@@ -27,23 +40,34 @@ class Trainer:
     lateness_s: float = 0.0
     step_times: list[tuple[float, float]] = field(default_factory=list)  # (start, end) of each step
 
-    def can_roll_out(self) -> bool:
-        """Whether the next batch's rollout may start now."""
-        nxt = self.rollout_step + 1
-        return not self.rolling and self.batches_done == nxt and self.trained >= nxt - self.config.staleness
+    @property
+    def rollout_step(self) -> int:
+        """The batch under way (the oldest not complete), or the last complete one while the next waits
+        to be created (-1 before the first)."""
+        return self.batches_done if self.batches_done < self.created else self.batches_done - 1
 
-    def start_rollout(self) -> int:
-        self.rollout_step += 1
-        self.rolling = True
-        return self.rollout_step
+    @property
+    def rolling(self) -> bool:
+        """A batch is under way: created and not complete."""
+        return self.batches_done < self.created
+
+    def can_create(self) -> bool:
+        """Whether the next batch may be created now."""
+        k = self.created
+        if self.updated < k - self.config.staleness:
+            return False
+        return self.config.batching == "async" or self.batches_done >= k
+
+    def create(self) -> int:
+        self.created += 1
+        return self.created - 1
 
     def finish_rollout(self) -> None:
-        self.rolling = False
         self.batches_done += 1
 
     def wants_to_train(self) -> bool:
-        """A batch is waiting to be trained on and the previous step is done."""
-        return not self.training and self.batches_done > self.trained
+        """A batch is waiting to be trained on and the previous step is done, its weights in place."""
+        return not self.training and self.updated == self.trained and self.batches_done > self.trained
 
     def start_training(self, now: float) -> float:
         """Start the next step (its GPUs are all back); returns when it ends."""
@@ -58,8 +82,13 @@ class Trainer:
         return now + self.config.step_s
 
     def finish_training(self, now: float) -> int:
-        """The step ends; returns the new weights version."""
+        """The step ends; returns the new weights version (its update follows)."""
         self.training = False
         self.trained += 1
         self.step_times.append((self.step_started, now))
         return self.trained
+
+    def finish_update(self, now: float) -> None:
+        """The new weights are in place: the trainer asks for the next batch."""
+        self.updated = self.trained
+        self.ready_at = now

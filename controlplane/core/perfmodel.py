@@ -38,10 +38,11 @@ figures were fitted once on the paper's §3 measurements and frozen, with their 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 from pearl.controlplane.core.catalog import GPUSpec, LinearEfficiencyRow, ModelSpec
+from pearl.controlplane.core.domain import Role
 
 MBU_PEAK = 0.78  # weight streaming share of HBM peak at small batch (CSV, MBU_vs_3350 at 1-8 tokens)
 MFU_PEAK = 0.80  # asymptotic GEMM share of dense peak (CSV fit)
@@ -80,16 +81,28 @@ def fit_linear_efficiency(rows: Sequence[LinearEfficiencyRow]) -> tuple[float, f
 
 @dataclass(frozen=True)
 class ServingEfficiency:
-    """The share of kernel speed an engine delivers, for decode and for prefill (1.0: kernel speed)."""
+    """The share of kernel speed an engine delivers (1.0: kernel speed), by the kind of iteration: decode
+    and prefill on a colocated worker, decode on a decode worker (`decode_only`) and prefill on a
+    prefill worker (`prefill_only`) of a split; None: as on a colocated worker."""
 
     decode: float = 1.0
     prefill: float = 1.0
+    decode_only: float | None = None
+    prefill_only: float | None = None
 
     def __post_init__(self) -> None:
-        for name in ("decode", "prefill"):
+        for name in ("decode", "prefill", "decode_only", "prefill_only"):
             value = getattr(self, name)
-            if not 0 < value <= 1:
+            if value is not None and not 0 < value <= 1:
                 raise ValueError(f"serving efficiency {name} must be in (0, 1], got {value}")
+
+    def for_role(self, role: Role) -> ServingEfficiency:
+        """The efficiencies a worker in `role` runs at (its decode and prefill shares)."""
+        if role is Role.DECODE and self.decode_only is not None:
+            return ServingEfficiency(self.decode_only, self.prefill)
+        if role is Role.PREFILL and self.prefill_only is not None:
+            return ServingEfficiency(self.decode, self.prefill_only)
+        return ServingEfficiency(self.decode, self.prefill)
 
 
 # A frozen fit (docs/fidelity.md): each figure with the range its argument allows.
@@ -97,8 +110,13 @@ AGENTIC_DECODE_EFFICIENCY = 0.40  # fitted on Fig. 2a; range 0.30-0.80 (see docs
 AGENTIC_DECODE_EFFICIENCY_RANGE = (0.30, 0.80)
 AGENTIC_PREFILL_EFFICIENCY = 0.30  # fitted on Fig. 2b; range 0.25-0.80 (see docs/fidelity.md)
 AGENTIC_PREFILL_EFFICIENCY_RANGE = (0.25, 0.80)
+AGENTIC_DECODE_ONLY_EFFICIENCY = AGENTIC_DECODE_EFFICIENCY  # a split's decode worker (docs/fidelity.md)
+AGENTIC_DECODE_ONLY_EFFICIENCY_RANGE = (0.30, 0.90)
+AGENTIC_PREFILL_ONLY_EFFICIENCY = AGENTIC_PREFILL_EFFICIENCY  # a split's prefill worker (docs/fidelity.md)
+AGENTIC_PREFILL_ONLY_EFFICIENCY_RANGE = (0.25, 0.80)
 KERNEL = ServingEfficiency()
-AGENTIC_LOAD = ServingEfficiency(AGENTIC_DECODE_EFFICIENCY, AGENTIC_PREFILL_EFFICIENCY)
+AGENTIC_LOAD = ServingEfficiency(AGENTIC_DECODE_EFFICIENCY, AGENTIC_PREFILL_EFFICIENCY,
+                                 AGENTIC_DECODE_ONLY_EFFICIENCY, AGENTIC_PREFILL_ONLY_EFFICIENCY)
 
 # How much of a trajectory's cached context its next turn still matches beyond the prompt (a frozen fit,
 # docs/fidelity.md; range 0-1). SGLang's radix cache matches token prefixes; Qwen3's chat template
@@ -126,6 +144,11 @@ class PerfModel:
     gpu: GPUSpec
     tp: int
     serving: ServingEfficiency = field(default=KERNEL)
+
+    def for_role(self, role: Role) -> PerfModel:
+        """This worker in `role`: its iterations at that role's serving efficiencies."""
+        serving = self.serving.for_role(role)
+        return self if serving == self.serving else replace(self, serving=serving)
 
     # -- capacity -------------------------------------------------------------------------------
 

@@ -27,7 +27,8 @@ class _Dist(BaseModel):
 
 
 class LogNormal(_Dist):
-    """Lognormal given its median and 99th percentile, optionally capped at `max`."""
+    """Lognormal given its median and 99th percentile, optionally capped at `max` (a limit: values above
+    it are `max`; it may lie below the median, when most draws reach the limit)."""
 
     dist: Literal["lognormal"]
     median: float = Field(gt=0)
@@ -38,8 +39,6 @@ class LogNormal(_Dist):
     def _ordered(self) -> LogNormal:
         if self.p99 < self.median:
             raise ValueError("p99 must be >= median")
-        if self.max is not None and self.max < self.median:
-            raise ValueError("max must be >= median")
         return self
 
     @property

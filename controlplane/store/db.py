@@ -35,6 +35,7 @@ EVENT_CONSTRAINTS = {
     "ck_rollout_progress_step_non_negative": "step: must be >= 0",
     "ck_rollout_progress_batch_size_positive": "batch_size: must be > 0",
     "ck_rollout_progress_finished_within_batch": "finished: must be between 0 and the step's batch size",
+    "ck_rollout_progress_in_flight_non_negative": "in_flight: must be >= 0",
     "ck_training_steps_step_non_negative": "step: must be >= 0",
     "ck_training_steps_weights_version_non_negative": "weights_version: must be >= 0",
     "ck_training_steps_times_in_order": "step: its begin, start and end times must be in order",

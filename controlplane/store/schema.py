@@ -297,6 +297,7 @@ class RolloutProgress(Base):
         CheckConstraint("step >= 0", name="step_non_negative"),
         CheckConstraint("batch_size > 0", name="batch_size_positive"),
         CheckConstraint("finished >= 0 AND finished <= batch_size", name="finished_within_batch"),
+        CheckConstraint("in_flight >= 0", name="in_flight_non_negative"),
     )
 
     step: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)
@@ -305,6 +306,8 @@ class RolloutProgress(Base):
     began_at: Mapped[datetime] = mapped_column(TS, server_default=NOW)
     updated_at: Mapped[datetime] = mapped_column(TS, server_default=NOW)
     ended_at: Mapped[datetime | None] = mapped_column(TS)  # every trajectory finished
+    # trajectories of every batch in flight at the latest report (0008; null: not reported)
+    in_flight: Mapped[int | None] = mapped_column(Integer)
 
 
 class Telemetry(Base):

@@ -229,11 +229,15 @@ def step_tails(session: Session, steps: int) -> list[tuple[float, ...]]:
     return tails
 
 
-def report_progress(session: Session, step: int, finished: int, batch_size: int | None = None) -> RolloutProgress:
-    """`finished` trajectories of rollout step `step` are done (the first report names the batch size)."""
+def report_progress(session: Session, step: int, finished: int, batch_size: int | None = None,
+                    in_flight: int | None = None) -> RolloutProgress:
+    """`finished` trajectories of rollout step `step` are done (the first report names the batch size);
+    `in_flight`: the trajectories of every batch the rollout runs now (kept as last reported)."""
     _check_step(step)
     if isinstance(finished, bool) or not isinstance(finished, int) or finished < 0:
         raise BadInput(f"finished: must be an integer >= 0, got {finished!r}")
+    if in_flight is not None and (isinstance(in_flight, bool) or not isinstance(in_flight, int) or in_flight < 0):
+        raise BadInput(f"in_flight: must be an integer >= 0, got {in_flight!r}")
     if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0):
         raise BadInput(f"batch_size: must be an integer > 0, got {batch_size!r}")
     row = session.get(RolloutProgress, step, with_for_update=True, populate_existing=True)
@@ -254,6 +258,8 @@ def report_progress(session: Session, step: int, finished: int, batch_size: int 
                        f"the count never goes down (got {finished})")
     now = _now(session)
     row.finished, row.updated_at = finished, now
+    if in_flight is not None:
+        row.in_flight = in_flight
     if finished == row.batch_size and row.ended_at is None:
         row.ended_at = now
     session.flush()

@@ -211,7 +211,8 @@ def profile_dict(stored: StoredProfile) -> dict[str, Any]:
 def signals_dict(s: Signals) -> dict[str, Any]:
     return {
         "now": s.now, "event": s.event, "rollout_step": s.rollout_step, "batch_size": s.batch_size,
-        "remaining": s.remaining, "training": s.training, "training_wanted": s.training_wanted,
+        "remaining": s.remaining, "in_flight": s.in_flight, "training": s.training,
+        "training_wanted": s.training_wanted,
         "deadlines": {str(w): t for w, t in sorted(s.deadlines.items())},
         "telemetry_step": s.telemetry.step if s.telemetry else None, "step_durations": dict(s.step_durations),
         "weights_version": s.weights_version, "plans_in_flight": s.plans_in_flight,
@@ -252,9 +253,11 @@ def live_signals(session: Session, snapshot: FleetSnapshot, batch_size: int, eve
     if progress is not None:  # the step under way and its unfinished trajectories, as the rollout reports them
         rollout_step, batch_size = progress.step, progress.batch_size
         remaining = progress.batch_size - progress.finished
+        in_flight = progress.in_flight
     else:  # nothing reported yet: the whole of the next step is ahead
         rollout_step = telemetry.step + 1 if telemetry is not None else 0
         remaining = batch_size
+        in_flight = None
     cycles = borrow_cycle_costs(session)
     return Signals(
         now=since(fleet_row[1]),
@@ -273,6 +276,7 @@ def live_signals(session: Session, snapshot: FleetSnapshot, batch_size: int, eve
         plans_in_flight=session.scalar(select(func.count()).where(PlanRow.status == PlanStatus.APPLYING)) or 0,
         last_training_s=(ended.ended_at - ended.started_at).total_seconds() * time_scale if ended is not None else None,
         step_tails=tuple(tuple(x * time_scale for x in tail) for tail in step_tails(session, TAIL_HISTORY)),
+        in_flight=in_flight,
     )
 
 

@@ -2,12 +2,12 @@
 
 The simulator runs the demo scenario with a recording policy; at each decision taken with no plan in
 flight, the test rebuilds in PostgreSQL what the live control plane would know at that moment (the
-workers and their GPUs, the training steps, the rollout progress, the preemptible leases and their
-notices, the latest telemetry, the tails of the latest complete steps, the measured step durations
-and borrow cycles, the policy's stored memory and profile), pins the database's clock to the moment,
-and runs the live pass's `decide`: the target (members, roles, the tail wake-up) must be the
-simulator's. What is compared is the adapter: that the rows give the policy the signals the
-simulator gives it.
+workers and their GPUs, the training steps, the rollout progress with the trajectories in flight,
+the preemptible leases and their notices, the latest telemetry, the tails of the latest complete
+steps, the measured step durations and borrow cycles, the policy's stored memory and profile),
+pins the database's clock to the moment, and runs the live pass's `decide`: the target (members,
+roles, the tail wake-up) must be the simulator's. What is compared is the adapter: that the rows
+give the policy the signals the simulator gives it.
 """
 
 from __future__ import annotations
@@ -137,15 +137,18 @@ def _rebuild(engine: Engine, sc: Any, snapshot: FleetSnapshot, s: Signals, befor
         last_done = s.rollout_step if s.remaining == 0 else s.rollout_step - 1
         for i, tail in enumerate(s.step_tails):
             step = last_done - (len(s.step_tails) - 1 - i)
-            session.add(RolloutProgress(step=step, batch_size=len(tail), finished=len(tail), ended_at=at(0)))
+            latest = i == len(s.step_tails) - 1 and s.remaining == 0  # the row the live pass reads
+            session.add(RolloutProgress(step=step, batch_size=len(tail), finished=len(tail), ended_at=at(0),
+                                        in_flight=s.in_flight if latest else None))
             session.add_all(Event(at=at(tail[-1] - offset), state_version=0, entity="rollout_progress",
                                   entity_id=str(step), op="update", new={"finished": n + 1})
                             for n, offset in enumerate(reversed(tail)))
         if s.rollout_step >= 0 and s.remaining > 0:
             session.add(RolloutProgress(step=s.rollout_step, batch_size=s.batch_size,
-                                        finished=s.batch_size - s.remaining))
+                                        finished=s.batch_size - s.remaining, in_flight=s.in_flight))
         elif s.rollout_step >= 0 and not s.step_tails:
-            session.add(RolloutProgress(step=s.rollout_step, batch_size=s.batch_size, finished=s.batch_size))
+            session.add(RolloutProgress(step=s.rollout_step, batch_size=s.batch_size, finished=s.batch_size,
+                                        in_flight=s.in_flight))
         if s.telemetry is not None:
             session.add(Telemetry(step=s.telemetry.step, body=s.telemetry.model_dump(mode="json")))
         # what the executor measured: the latest duration of each kind of step, and the borrow cycles

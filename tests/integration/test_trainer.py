@@ -56,14 +56,16 @@ def test_the_run_outlasts_the_trace_and_replays_every_change_within_its_duration
     assert revoked and states <= {GPUState.REVOKED, GPUState.UNAVAILABLE}, states
 
 
-def test_the_summary_measures_the_metric_over_the_run_and_the_companion_to_the_last_step() -> None:
+def test_the_summary_measures_the_simulators_three_metrics_in_model_seconds() -> None:
     stats = TrainerStats(started=100.0, trained_tokens=60_000, training_steps=3)
+    stats.trained_ends, stats.trained_step_tokens = [10.0, 30.0, 50.0], [20_000, 16_000, 24_000]
     stats.last_trained_s, stats.ended = 50.0, 160.0  # the third step ended 50 s into a 60 s run
     s = summary(stats, speed=10.0)
     assert s["wall_s"] == 60.0 and s["model_s"] == 600.0
-    assert s["tokens_per_s"] == 60_000 / 600.0
-    assert s["tokens_per_s_to_last_step"] == 60_000 / 500.0
-    assert summary(TrainerStats(started=0.0, ended=1.0), speed=10.0)["tokens_per_s_to_last_step"] == 0.0
+    assert s["tokens_per_s_window"] == 60_000 / 600.0
+    assert s["tokens_per_s"] == pytest.approx((16_000 / 200.0 + 24_000 / 200.0) / 2)  # the first step dropped
+    assert s["tokens_per_s_ratio_of_sums"] == pytest.approx(40_000 / 400.0)
+    assert summary(TrainerStats(started=0.0, ended=1.0), speed=10.0)["tokens_per_s"] == 0.0
 
 
 def test_a_run_given_steps_ends_after_its_last_training_step(db_engine: Engine, tmp_path: Path) -> None:

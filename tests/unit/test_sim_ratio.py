@@ -130,7 +130,7 @@ def test_selection_is_unchanged_when_the_simulated_makespans_are_perturbed(monke
         scenario, config, stop_after = args
         makespans, wall = real(args)
         # colocated becomes the slowest, the largest prefill pool the fastest
-        factor = 3.0 if config.n_colocated else 1.0 / (1 + config.n_prefill)
+        factor = 3.0 if config.n_colocated else 0.1 ** config.n_prefill
         return tuple(m * factor for m in makespans), wall
 
     monkeypatch.setattr(ratio_module, "_simulate", reversed_ranking)

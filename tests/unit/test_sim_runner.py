@@ -12,6 +12,7 @@ from pearl.policies.borrowing import borrowable
 from pearl.policies.elasticity import dedicated_capacity
 from pearl.sim.engine import Engine
 from pearl.sim.experiments import run_system
+from pearl.sim.metrics import step_rates
 from pearl.sim.runner import EV_KV, Simulation
 from pearl.sim.scenario import load_scenario
 from pearl.sim.systems import system
@@ -55,28 +56,35 @@ def test_a_run_is_deterministic():
 
 
 def test_the_metric_counts_each_trained_batch_once():
-    sim = _sim("roll")
+    sim = _sim("roll", ["duration_s=5000"])
     r = sim.run()
     sc = sim.sc
-    expected = sum(t.metric_tokens for k in range(r.training_steps)
-                   for t in sample_batch(sc.workload, sc.seed, k))
-    assert r.tokens_per_s * sc.duration_s == pytest.approx(expected)
-    assert r.rollout_steps >= r.training_steps > 0
-    # the companion: the same tokens over the end time of the last trained step
-    last_end = r.timeline.training_ends[-1]
-    assert len(r.timeline.training_ends) == r.training_steps and last_end <= sc.duration_s
-    assert r.tokens_per_s_to_last_step * last_end == pytest.approx(expected)
-    assert r.tokens_per_s_to_last_step >= r.tokens_per_s
+    tokens = [sum(t.metric_tokens for t in sample_batch(sc.workload, sc.seed, k)) for k in range(r.training_steps)]
+    assert r.tokens_per_s_window * sc.duration_s == pytest.approx(sum(tokens))
+    assert r.rollout_steps >= r.training_steps > 2
+    ends = r.timeline.training_ends
+    assert len(ends) == r.training_steps and ends[-1] <= sc.duration_s and r.timeline.trained_tokens == tokens
+    # the paper's metric: each step's tokens over the time since the previous step ended, the first dropped
+    rates = [tokens[k] / (ends[k] - ends[k - 1]) for k in range(1, len(ends))]
+    assert r.tokens_per_s == pytest.approx(sum(rates) / len(rates))
+    assert r.tokens_per_s_ratio_of_sums == pytest.approx(sum(tokens[1:]) / (ends[-1] - ends[0]))
 
 
-def test_the_companion_does_not_jump_with_where_the_run_ends():
-    """One step more or less within the run moves the metric by a whole step's tokens; the companion,
-    a rate up to the last step, moves far less between two run lengths that differ by one step."""
-    short, long_ = (_sim("roll", [f"duration_s={d}"]).run() for d in (1500, 2400))
+def test_step_rates_of_one_step_or_none():
+    assert step_rates([], []) == (0.0, 0.0)
+    assert step_rates([200.0], [1000]) == (5.0, 5.0)  # one step: over its end time
+    assert step_rates([100.0, 300.0, 400.0], [7, 1000, 300]) == (pytest.approx((5.0 + 3.0) / 2), 1300 / 300)
+
+
+def test_the_paper_metric_does_not_jump_with_where_the_run_ends():
+    """One step more or less within the run moves the window metric by a whole step's tokens; the
+    per-step metric, a rate over the steps that ended, moves far less between two run lengths that
+    differ by one step."""
+    short, long_ = (_sim("roll", [f"duration_s={d}"]).run() for d in (2400, 3000))
     assert long_.training_steps > short.training_steps
-    metric_move = abs(long_.tokens_per_s / short.tokens_per_s - 1)
-    companion_move = abs(long_.tokens_per_s_to_last_step / short.tokens_per_s_to_last_step - 1)
-    assert companion_move < metric_move
+    window_move = abs(long_.tokens_per_s_window / short.tokens_per_s_window - 1)
+    assert abs(long_.tokens_per_s / short.tokens_per_s - 1) < window_move
+    assert abs(long_.tokens_per_s_ratio_of_sums / short.tokens_per_s_ratio_of_sums - 1) < window_move
 
 
 def test_static_baselines_hold_their_gpus_and_never_reconfigure():
@@ -171,8 +179,8 @@ def test_every_rollout_step_emits_valid_telemetry():
     seen = []
     original = sim._step_telemetry
 
-    def capture(step: int):
-        tel = original(step)
+    def capture(step: int, batch):
+        tel = original(step, batch)
         seen.append(tel)
         return tel
 
@@ -203,7 +211,8 @@ def test_the_policy_sees_the_tails_of_the_latest_steps():
     batch = sim.sc.workload.batch_size
     for tail, makespan in zip(sim.step_tails, sim.makespans[-3:], strict=True):
         assert len(tail) == batch and tail[0] == 0.0 and list(tail) == sorted(tail)
-        assert tail[-1] < makespan  # the first trajectory finished after its step began
+        # a trajectory that finished before its batch was the one under way counts from the step's start
+        assert tail[-1] <= makespan
 
 
 def test_run_system_uses_the_systems_cluster():
@@ -277,7 +286,7 @@ def test_each_turn_waits_for_its_environment_before_the_next():
 
     sim._turn_done, sim._resume = recording_turn_done, recording_resume
     sim.run()
-    trajectories = {t.id: t for step in range(sim.trainer.rollout_step + 1)
+    trajectories = {t.id: t for step in range(sim.trainer.created)
                     for t in sample_batch(sim.sc.workload, sim.sc.seed, step)}
     assert len(resumed) > 1000
     for (tid, turn), at in resumed.items():
@@ -300,3 +309,77 @@ def test_every_server_syncs_the_new_weights_after_each_training_step():
     sim._training_end = checked_training_end
     r = sim.run()
     assert sync_s > 0 and len(synced) == r.training_steps > 0
+
+
+def _record_batches(sim: Simulation) -> tuple[dict, dict, dict]:
+    """When each trajectory started and ended, and when each batch was created."""
+    started, ended, created = {}, {}, {}
+    start, done, made = sim._start, sim._trajectory_done, sim._batch_created
+
+    def recording_start(traj):
+        started[traj.id] = sim.now
+        start(traj)
+
+    def recording_done(traj):
+        ended[traj.id] = sim.now
+        done(traj)
+
+    def recording_created(k):
+        created[k] = sim.now
+        made(k)
+
+    sim._start, sim._trajectory_done, sim._batch_created = recording_start, recording_done, recording_created
+    return started, ended, created
+
+
+def test_async_slots_run_their_trajectories_back_to_back_one_batch_ahead_at_most():
+    sim = _sim("roll", ["duration_s=5000"])
+    started, ended, created = _record_batches(sim)
+    r = sim.run()
+    b = sim.sc.workload.batch_size
+    ends = r.timeline.training_ends
+    assert r.training_steps > 2 and created[0] == created[1] == 0.0
+    sync_s = sim.sc.training.weight_sync_s
+    for k in range(2, max(created) + 1):  # batch k appears once training step k - 2's weights are in place
+        assert created[k] == pytest.approx(ends[k - 2] + sync_s)
+    # each step trains after the update of the one before: ROLL's update, get_batch, train
+    for (start, _), (_, end) in zip(sim.trainer.step_times[1:], sim.trainer.step_times, strict=False):
+        assert start >= end + sync_s - 1e-9
+    complete = {k: max(ended[k * b + i] for i in range(b)) for k in range(r.rollout_steps)}
+    overlapped = 0
+    for tid, at in started.items():
+        k = tid // b
+        if k == 0:
+            assert at == 0.0
+            continue
+        # the slot moves on the moment its previous trajectory ends, or when the batch appears
+        assert at == max(ended[tid - b], created[k])
+        overlapped += k - 1 in complete and at < complete[k - 1]
+    assert overlapped > b  # slots started the next batch before the previous one was complete
+    decoded, held = sim.token_balance()
+    assert decoded == held
+
+
+def test_sync_batching_starts_each_batch_whole_after_the_previous_one():
+    sim = _sim("roll", ["duration_s=5000", "training.batching=sync"])
+    started, ended, created = _record_batches(sim)
+    r = sim.run()
+    b = sim.sc.workload.batch_size
+    assert r.rollout_steps > 2
+    for k in range(1, r.rollout_steps + 1):
+        assert {started[k * b + i] for i in range(b)} == {created[k]}
+        assert created[k] >= max(ended[(k - 1) * b + i] for i in range(b))
+    # the makespan of a step is its batch's whole span: from its creation to its last trajectory
+    for k, makespan in enumerate(sim.makespans):
+        assert makespan == pytest.approx(max(ended[k * b + i] for i in range(b)) - created[k])
+
+
+def test_an_aborting_weight_update_discards_the_partial_turns_and_loses_nothing_else():
+    sim = _sim("rlboost-plus", ["duration_s=3000", "training.weight_update=abort"])
+    r = sim.run()
+    assert r.training_steps > 1 and sim.discarded_tokens > 0  # turns under way at an update started over
+    decoded, held = sim.token_balance()
+    assert decoded == held  # what was discarded was decoded once, and is counted as such
+    keep = _sim("rlboost-plus", ["duration_s=3000", "training.weight_update=keep"])
+    keep.run()
+    assert keep.discarded_tokens == 0
