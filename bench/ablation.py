@@ -65,7 +65,8 @@ def setting(model: str, gpus: int, seeds: int = 5) -> dict:
         tps = _summary([r.tokens_per_s for r in mine], 1)
         row = {"tokens_per_s": tps["mean"], "tokens_per_s_per_seed": tps["per_seed"],
                "tokens_per_s_ci95": tps["ci95"],
-               "tokens_per_s_to_last_step": _summary([r.tokens_per_s_to_last_step for r in mine], 1)["mean"],
+               "tokens_per_s_window": _summary([r.tokens_per_s_window for r in mine], 1)["mean"],
+               "tokens_per_s_ratio_of_sums": _summary([r.tokens_per_s_ratio_of_sums for r in mine], 1)["mean"],
                "training_steps": round(sum(r.training_steps for r in mine) / seeds, 2),
                "mean_step_makespan_s": round(sum(r.mean_step_makespan_s for r in mine) / seeds, 1),
                "wall_s": round(sum(r.wall_s for r in mine), 2), "seeds": seeds}
@@ -75,10 +76,10 @@ def setting(model: str, gpus: int, seeds: int = 5) -> dict:
             row["gain_over_baseline_per_seed"] = gain["per_seed"]
             row["gain_over_baseline_ci95"] = gain["ci95"]
             row["gain_spans_0"] = None if gain["ci95"] is None else gain["ci95"][0] <= 0 <= gain["ci95"][1]
-            companion = _summary([run[name].tokens_per_s_to_last_step / run["rlboost-plus"].tokens_per_s_to_last_step
-                                  - 1 for run in runs], 4)
-            row["companion_gain_over_baseline"] = companion["mean"]
-            row["companion_gain_over_baseline_ci95"] = companion["ci95"]
+            sums = _summary([run[name].tokens_per_s_ratio_of_sums / run["rlboost-plus"].tokens_per_s_ratio_of_sums
+                             - 1 for run in runs], 4)
+            row["ratio_of_sums_gain_over_baseline"] = sums["mean"]
+            row["ratio_of_sums_gain_over_baseline_ci95"] = sums["ci95"]
             spans = [common_mean_makespans(run[name], run["rlboost-plus"]) for run in runs]
             row["makespan_gain_over_baseline"] = round(sum(b / m - 1 for m, b in spans) / seeds, 4)
             row["meaning"] = MEANING[name]

@@ -1,15 +1,18 @@
 """The throughput no system can exceed on a scenario: every trajectory at its floor.
 
 However many GPUs a system has, a trajectory cannot run faster than alone on a worker of its own:
-every turn prefills only its new tokens (the prefix stays cached), decodes at batch 1, and waits for
-its environment. Playing the trainer's schedule (sim/trainer.py: batch creation, environment slots,
-staleness, the training step) with every trajectory at that floor, and without the weight-sync
-pause, gives the ceiling of the metric: more than unlimited GPUs and a perfect policy could reach.
+every turn prefills only its new tokens (the prefix stays cached), decodes at batch 1, each at the
+fastest efficiency any role runs it at, and waits for its environment. Playing the trainer's
+schedule (sim/trainer.py: batch creation, environment slots, staleness, the training step) with
+every trajectory at that floor, and without the weight-sync pause, gives the ceiling of the metric:
+more than unlimited GPUs and a perfect policy could reach.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+from pearl.controlplane.core.perfmodel import PerfModel, ServingEfficiency
 
 from .engine import EngineTiming
 from .metrics import step_rates
@@ -40,9 +43,18 @@ def trajectory_floor_s(traj: Trajectory, timing: EngineTiming) -> float:
     return total
 
 
+def fastest(perf: PerfModel) -> PerfModel:
+    """The worker at the fastest of its roles' efficiencies: decode as on a decode worker or a colocated
+    one, prefill as on a prefill worker or a colocated one, whichever is faster."""
+    s = perf.serving
+    decode = max(s.decode, s.decode_only if s.decode_only is not None else 0.0)
+    prefill = max(s.prefill, s.prefill_only if s.prefill_only is not None else 0.0)
+    return replace(perf, serving=ServingEfficiency(decode, prefill))
+
+
 def ceiling(scenario: Scenario) -> Ceiling:
     """The trainer's schedule (docs/simulator.md, "The trainer") with every trajectory at its floor."""
-    timing = EngineTiming(serving_perf(scenario))
+    timing = EngineTiming(fastest(serving_perf(scenario)))
     training, duration = scenario.training, scenario.duration_s
     slots = [0.0] * scenario.env_slots  # when each environment slot is free
     complete: list[float] = []  # when each batch completed

@@ -70,10 +70,6 @@ class StaticMeasure:
 
 def measure(overrides: list[str], config: Config, steps: int = 3) -> StaticMeasure:
     sc = load_scenario(BASE, [*overrides, "duration_s=20000"])
-    per_slot = _TRAJECTORIES_PER_SLOT[0]
-    if per_slot > 1:  # fewer environment slots than trajectories (engine_setting)
-        sc = sc.model_copy(update={"training": sc.training.model_copy(
-            update={"env_slots": sc.workload.batch_size // per_slot})})
     sim = _Recorded(with_workers(sc, config.workers), static_policy(config), WARMUP + steps)
     sim.begin()
     sim.advance(50 * sc.duration_s)
@@ -152,7 +148,6 @@ SPLIT_GAIN_POINTS = 0.03  # Fig. 2c's gains straddle zero: within 3 points...
 SPLIT_GAIN_FLOOR_32 = 0.049  # ... but at batch 32 the split must lead by at least +4.9% (half the paper's)
 RATIO_WORKERS = 1.0  # a best ratio's distance, in prefill workers, is scaled by one worker (reached: 0)
 TRAJECTORIES_PER_SLOT = (1, 2, 4)  # ROLL's max_traj_per_env: trajectories each environment slot runs per batch
-_TRAJECTORIES_PER_SLOT = [1]  # the setting in force (engine_setting)
 
 # The previous round's fit (one efficiency per kind of work, no caps), the reference of `before()`.
 ROUND_1 = {"decode_efficiency": 0.40, "prefill_efficiency": 0.30, "decode_only_efficiency": 0.40,
@@ -198,9 +193,8 @@ def _lognormal_mean(median: float, sigma: float) -> float:
 
 def fitted_setting() -> dict[str, float]:
     """The model as it is: the engine's constants and the base scenario's workload, as a setting."""
-    w = load_scenario(BASE).workload
     sc = load_scenario(BASE)
-    b = sc.workload.batch_size
+    w = sc.workload
     return {
         "decode_efficiency": perfmodel.AGENTIC_DECODE_EFFICIENCY,
         "prefill_efficiency": perfmodel.AGENTIC_PREFILL_EFFICIENCY,
@@ -214,7 +208,7 @@ def fitted_setting() -> dict[str, float]:
         "obs_tokens_median": w.obs_tokens_per_turn.median,
         "env_mean_s": _lognormal_mean(w.env_latency_s.median, w.env_latency_s.sigma),
         "env_cap_s": w.env_latency_s.max if w.env_latency_s.max is not None else 600.0,
-        "trajectories_per_slot": b // sc.env_slots,
+        "trajectories_per_slot": sc.training.trajectories_per_slot,
     }
 
 
@@ -283,23 +277,22 @@ def workload_overrides(setting: dict[str, float]) -> list[str]:
         f"workload.obs_tokens_per_turn.p99={setting['obs_tokens_median'] * obs.p99 / obs.median:.6g}",
         f"workload.env_latency_s.p99={env.median * math.exp(Z99 * env_sigma):.6g}",
         f"workload.env_latency_s.max={setting['env_cap_s']:.6g}",
+        f"training.trajectories_per_slot={int(setting['trajectories_per_slot'])}",
     ]
 
 
 @contextlib.contextmanager
 def engine_setting(setting: dict[str, float]) -> Iterator[None]:
-    """The simulated engine (and the predictor's prior) at a setting's efficiencies and prefix reuse,
-    and the environment slots it runs with."""
-    saved = scenario_module.AGENTIC_LOAD, perfmodel.TURN_PREFIX_REUSE, _TRAJECTORIES_PER_SLOT[0]
+    """The simulated engine (and the predictor's prior) at a setting's efficiencies and prefix reuse."""
+    saved = scenario_module.AGENTIC_LOAD, perfmodel.TURN_PREFIX_REUSE
     scenario_module.AGENTIC_LOAD = perfmodel.ServingEfficiency(
         setting["decode_efficiency"], setting["prefill_efficiency"], setting["decode_only_efficiency"],
         setting["prefill_only_efficiency"])
     perfmodel.TURN_PREFIX_REUSE = setting["turn_prefix_reuse"]
-    _TRAJECTORIES_PER_SLOT[0] = int(setting["trajectories_per_slot"])
     try:
         yield
     finally:
-        scenario_module.AGENTIC_LOAD, perfmodel.TURN_PREFIX_REUSE, _TRAJECTORIES_PER_SLOT[0] = saved
+        scenario_module.AGENTIC_LOAD, perfmodel.TURN_PREFIX_REUSE = saved
 
 
 def evaluate(setting: dict[str, float], with_fig2c: bool = True, seed: int | None = None) -> dict:

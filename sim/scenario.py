@@ -68,10 +68,9 @@ class Training(_Strict):
     # progress) or abort (ROLL's: running turns are aborted, their partial output discarded, and
     # re-issued to the new weights; the prefix cache is flushed)
     weight_update: Literal["keep", "abort"] = "keep"
-    # environment slots (trajectories rolled out at once): each runs batch_size / env_slots trajectories
-    # of a batch one after the other (ROLL: num_env_groups x group_size, with max_traj_per_env
-    # trajectories each per step); None: one slot per trajectory of a batch
-    env_slots: int | None = Field(default=None, gt=0)
+    # trajectories each environment slot runs per batch, one after the other (ROLL's max_traj_per_env):
+    # the slots (trajectories rolled out at once) are batch_size / trajectories_per_slot
+    trajectories_per_slot: int = Field(default=1, ge=1)
 
 
 class Reconfig(_Strict):
@@ -102,10 +101,11 @@ class Scenario(_Strict):
         if self.tp > GPUS_PER_NODE:
             raise ValueError(f"tp ({self.tp}) must be at most {GPUS_PER_NODE}: a worker's GPUs are on one node "
                              f"of {GPUS_PER_NODE}")
-        slots = self.training.env_slots
-        if slots is not None and self.workload.batch_size % slots:
-            raise ValueError(f"training.env_slots ({slots}) must divide workload.batch_size "
-                             f"({self.workload.batch_size}): every slot runs as many trajectories of a batch")
+        per_slot = self.training.trajectories_per_slot
+        if self.workload.batch_size % per_slot:
+            raise ValueError(f"training.trajectories_per_slot ({per_slot}) must divide workload.batch_size "
+                             f"({self.workload.batch_size}): every environment slot runs as many trajectories "
+                             "of a batch")
         for key, n in (("cluster.training_gpus", self.cluster.training_gpus),
                        ("cluster.reserved_rollout_gpus", self.cluster.reserved_rollout_gpus)):
             if n % self.tp:
@@ -114,8 +114,8 @@ class Scenario(_Strict):
 
     @property
     def env_slots(self) -> int:
-        """Trajectories rolled out at once (training.env_slots, or one per trajectory of a batch)."""
-        return self.training.env_slots or self.workload.batch_size
+        """Environment slots: trajectories rolled out at once (a batch over training.trajectories_per_slot)."""
+        return self.workload.batch_size // self.training.trajectories_per_slot
 
     @property
     def max_preemptible_gpus(self) -> int:

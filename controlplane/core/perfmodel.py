@@ -106,13 +106,13 @@ class ServingEfficiency:
 
 
 # A frozen fit (docs/fidelity.md): each figure with the range its argument allows.
-AGENTIC_DECODE_EFFICIENCY = 0.40  # fitted on Fig. 2a; range 0.30-0.80 (see docs/fidelity.md)
+AGENTIC_DECODE_EFFICIENCY = 0.7908241235421372  # a colocated worker's decode (docs/fidelity.md); range 0.30-0.80
 AGENTIC_DECODE_EFFICIENCY_RANGE = (0.30, 0.80)
-AGENTIC_PREFILL_EFFICIENCY = 0.30  # fitted on Fig. 2b; range 0.25-0.80 (see docs/fidelity.md)
+AGENTIC_PREFILL_EFFICIENCY = 0.6141331252098212  # a colocated worker's prefill (docs/fidelity.md); range 0.25-0.80
 AGENTIC_PREFILL_EFFICIENCY_RANGE = (0.25, 0.80)
-AGENTIC_DECODE_ONLY_EFFICIENCY = AGENTIC_DECODE_EFFICIENCY  # a split's decode worker (docs/fidelity.md)
+AGENTIC_DECODE_ONLY_EFFICIENCY = 0.8744731250144251  # a split's decode worker (docs/fidelity.md); range 0.30-0.90
 AGENTIC_DECODE_ONLY_EFFICIENCY_RANGE = (0.30, 0.90)
-AGENTIC_PREFILL_ONLY_EFFICIENCY = AGENTIC_PREFILL_EFFICIENCY  # a split's prefill worker (docs/fidelity.md)
+AGENTIC_PREFILL_ONLY_EFFICIENCY = 0.476454111319516  # a split's prefill worker (docs/fidelity.md); range 0.25-0.80
 AGENTIC_PREFILL_ONLY_EFFICIENCY_RANGE = (0.25, 0.80)
 KERNEL = ServingEfficiency()
 AGENTIC_LOAD = ServingEfficiency(AGENTIC_DECODE_EFFICIENCY, AGENTIC_PREFILL_EFFICIENCY,
@@ -124,7 +124,7 @@ AGENTIC_LOAD = ServingEfficiency(AGENTIC_DECODE_EFFICIENCY, AGENTIC_PREFILL_EFFI
 # next turn's tokens leave the cached sequence at the first assistant turn and only the prompt (shared
 # by the GRPO group) is reused: 0. A template that re-renders every turn verbatim reuses it all: 1.
 # The simulated engine (sim/engine.py) and the predictor's prior (`profile.engine_from_perf`) read it.
-TURN_PREFIX_REUSE = 0.0
+TURN_PREFIX_REUSE = 0.11574873035213104
 TURN_PREFIX_REUSE_RANGE = (0.0, 1.0)
 
 

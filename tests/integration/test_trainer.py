@@ -16,7 +16,7 @@ from pearl.controlplane.core.domain import GPUState, NodeZone
 from pearl.controlplane.store import signals
 from pearl.controlplane.store.db import transaction
 from pearl.controlplane.store.inventory_import import import_inventory
-from pearl.controlplane.store.schema import GPU
+from pearl.controlplane.store.schema import GPU, RolloutProgress
 from pearl.sim.availability import availability_changes
 from pearl.sim.scenario import load_scenario
 from sqlalchemy import Engine, select
@@ -81,3 +81,74 @@ def test_a_run_given_steps_ends_after_its_last_training_step(db_engine: Engine, 
     assert stats.elapsed() * SPEED < sc.duration_s  # the steps ended it, not the duration
     assert stats.last_trained_s == pytest.approx(stats.elapsed(), abs=0.5)  # it ended with the last step
     assert sorted(p.name for p in tmp_path.iterdir()) == ["v1", "v2"]  # a snapshot each step, no third
+
+
+def _front_door(answered: list[tuple[float, str]], turn_s: float):
+    """A front door that answers every /generate after `turn_s` wall seconds, recording (when, rid)."""
+    from aiohttp import web
+
+    async def generate(request: web.Request) -> web.Response:
+        body = await request.json()
+        await asyncio.sleep(turn_s)
+        answered.append((time.monotonic(), body["rid"]))
+        n = body["sampling_params"]["max_new_tokens"]
+        return web.json_response({"output_ids": [1] * n, "meta_info": {}})
+
+    app = web.Application()
+    app.router.add_post("/generate", generate)
+    return app
+
+
+@pytest.mark.parametrize("batching", ["async", "sync"])
+def test_the_emulator_runs_the_simulators_batch_rule_and_reports_the_trajectories_in_flight(
+        db_engine: Engine, tmp_path: Path, batching: str) -> None:
+    from aiohttp import web
+
+    sc = load_scenario("demo-qwen3-30b-a3b-seg2", [
+        "workload.batch_size=8", "workload.group_size=2", "training.trajectories_per_slot=2", "training.step_s=20",
+        "training.weight_sync_s=1", f"training.batching={batching}", "workload.env_latency_s.median=0.5",
+        "workload.env_latency_s.p99=1", "duration_s=100000"])
+    with transaction(db_engine, actor="test", reason="demo inventory") as session:
+        import_inventory(session, inventory_for(sc, SPEED))
+    answered: list[tuple[float, str]] = []
+    port = free_port()
+
+    async def run() -> TrainerStats:
+        runner = web.AppRunner(_front_door(answered, 0.002))
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        try:
+            trainer = TrainerEmulator(sc, ControlPlane(engine=db_engine), f"http://127.0.0.1:{port}", speed=SPEED,
+                                      snapshot_dir=tmp_path, retry_s=0.05, steps=3)
+            return await trainer.run()
+        finally:
+            await runner.cleanup()
+
+    stats = asyncio.run(run())
+    assert stats.training_steps == 3 and stats.failed_requests == 0
+    first: dict[int, float] = {}  # trajectory id -> its first turn's answer
+    last: dict[int, float] = {}
+    for at, rid in answered:
+        tid = int(rid[1:].partition("-")[0])
+        first.setdefault(tid, at)
+        last[tid] = at
+    b, slots = 8, 4
+    ends = [stats.started + s for s in stats.trained_ends]
+    for tid, at in first.items():
+        k, i = divmod(tid, b)
+        if i >= slots:  # the slot's second trajectory of the batch follows its first
+            assert at > last[tid - slots]
+        elif k >= 1:  # and a slot's next batch follows its previous one
+            assert at > last[k * b - b + i + slots]
+        if batching == "async" and k >= 2:  # never more than one batch ahead of the weights it serves
+            assert at > ends[k - 2]
+    complete = {k: max(last[k * b + i] for i in range(b)) for k in range(3)}
+    if batching == "sync":  # a barrier: nothing of batch k before batch k-1 is complete
+        assert all(first[k * b + i] > complete[k - 1] for k in (1, 2) for i in range(b))
+    else:  # slots ran ahead: some of batch 1 started before batch 0 was complete
+        assert any(first[b + i] < complete[0] for i in range(b))
+    with transaction(db_engine) as session:
+        rows = session.execute(select(RolloutProgress.step, RolloutProgress.finished, RolloutProgress.in_flight)
+                               .order_by(RolloutProgress.step)).all()
+    assert [r.step for r in rows][:3] == [0, 1, 2] and all(r.finished == b for r in rows[:3])
+    assert all(r.in_flight is not None and 0 <= r.in_flight <= slots for r in rows)

@@ -26,45 +26,76 @@ def fig2a():
     return fidelity.fig2a()
 
 
-REFIT = pytest.mark.xfail(strict=False, reason=(
-    "the rollout model changed (asynchronous batching, docs/simulator.md): the engine is being refitted on "
-    "the calibration set, as planned in docs/fidelity.md (section 1)"))
+@pytest.fixture(scope="module")
+def fig2b():
+    return fidelity.fig2b()
 
 
-@REFIT
-def test_fig2a_rollout_time_at_16_24_32_gpus(fig2a):
+# What the frozen fit reaches on seed 1 (docs/fidelity.md, "3. Calibration: paper vs simulator, before
+# and after"), and what it misses, each miss a strict expected failure whose reason section 4 argues.
+
+
+def test_fig2a_rollout_time_falls_with_more_gpus(fig2a):
+    _within(fig2a["fall_16_24"], PAPER["fig2a"]["fall_16_24"])
+    _within(fig2a["fall_24_32"], PAPER["fig2a"]["fall_24_32"])
+
+
+def test_fig2a_mean_trajectory(fig2a):
+    _within(fig2a["trajectory_mean_s"], PAPER["fig2a"]["trajectory_mean_s"])
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "docs/fidelity.md, 'What the fit cannot reach': at 64 trajectories a batch, the rollout time's scale "
+    "(934 s at 16 GPUs, 4.3x the mean trajectory) needs 4 trajectories per environment slot, which leaves "
+    "the GPUs too idle for the falls with more GPUs; the fit keeps the falls and the trajectory, and "
+    "rollout waits about 390 s at 16 GPUs"))
+def test_fig2a_rollout_time_at_16_24_32_gpus_and_its_share(fig2a):
     for gpus, paper in PAPER["fig2a"]["makespan_s"].items():
         _within(fig2a["makespan_s"][gpus], paper)
-
-
-@REFIT
-def test_fig2a_trajectory_duration_rollout_over_training_and_rollout_share(fig2a):
-    _within(fig2a["trajectory_mean_s"], PAPER["fig2a"]["trajectory_mean_s"])
     low, high = PAPER["fig2a"]["rollout_over_training"]
     _within(fig2a["rollout_over_training"][0], low)  # at 32 GPUs
     _within(fig2a["rollout_over_training"][1], high)  # at 16 GPUs
     _within(fig2a["rollout_share_32"], PAPER["fig2a"]["rollout_share_32"])
 
 
-@REFIT
-def test_fig2a_rollout_time_falls_with_more_gpus(fig2a):
-    _within(fig2a["fall_16_24"], PAPER["fig2a"]["fall_16_24"])
-    _within(fig2a["fall_24_32"], PAPER["fig2a"]["fall_24_32"])
+def test_fig2b_prefill_share_of_tokens(fig2b):
+    _within(fig2b["prefill_token_share"], PAPER["fig2b"]["prefill_token_share"])
 
 
-def test_fig2b_prefill_shares_of_tokens_and_time():
-    b = fidelity.fig2b()
-    _within(b["prefill_token_share"], PAPER["fig2b"]["prefill_token_share"])
-    _within(b["prefill_time_share"], PAPER["fig2b"]["prefill_time_share"])
+@pytest.mark.xfail(strict=True, reason=(
+    "docs/fidelity.md, 'What the fit cannot reach': the fit's long generations (median ~1,900 tokens a "
+    "turn) and fast prefill put prefill at ~11% of the time; the settings that reach 26.5% lose the falls "
+    "or the trajectory"))
+def test_fig2b_prefill_share_of_time(fig2b):
+    _within(fig2b["prefill_time_share"], PAPER["fig2b"]["prefill_time_share"])
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "docs/fidelity.md, 'What the fit cannot reach': 64 trajectories over 8 workers decode ~3 at a time; "
+    "no setting of the ranges reaches 400 decode tokens/s per GPU at that batch (the best: 293)"))
+def test_fig2b_decode_rate_between_prefill_insertions(fig2b):
+    _within(fig2b["decode_tok_s_per_gpu"], PAPER["fig2b"]["decode_tok_s_per_gpu"])
+
+
+@pytest.fixture(scope="module")
+def fig2c():
+    return fidelity.fig2c()[0]
 
 
 @pytest.mark.slow
-@REFIT
-def test_fig2c_split_against_colocated_over_batch_size():
-    c, _ = fidelity.fig2c()
-    for batch, gain in PAPER["fig2c"]["split_gain"].items():
-        assert abs(c["split_gain"][batch] - gain) <= 0.03, (batch, c["split_gain"][batch], gain)
-    assert c["best_ratio"][48] == "4P4D" and c["best_ratio"][64] == "5P3D"
+def test_fig2c_split_against_colocated_at_batch_80(fig2c):
+    assert abs(fig2c["split_gain"][80] - PAPER["fig2c"]["split_gain"][80]) <= fidelity.SPLIT_GAIN_POINTS
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason=(
+    "docs/fidelity.md, 'What the fit cannot reach': the split leads at batch 32 (+4.6%, short of +4.9%) but "
+    "still leads at batch 96 (+0.5%, paper -6.1%), and the best ratio stays 2P6D (paper 4P4D, 5P3D): with "
+    "prefill at ~11% of a colocated worker's time, more prefill workers do not pay"))
+def test_fig2c_split_against_colocated_over_batch_size_and_best_ratios(fig2c):
+    assert fig2c["split_gain"][32] >= fidelity.SPLIT_GAIN_FLOOR_32
+    assert -0.061 - 0.03 <= fig2c["split_gain"][96] < 0
+    assert fig2c["best_ratio"][48] == "4P4D" and fig2c["best_ratio"][64] == "5P3D"
 
 
 def test_the_fit_is_frozen_within_its_ranges():
@@ -148,7 +179,7 @@ def test_a_settings_workload_keeps_the_shapes_and_applies_the_caps():
     assert moved.env_latency_s.sigma == pytest.approx(math.sqrt(2 * math.log(4.0 / 1.5)), rel=1e-4)
 
 
-def test_an_engine_setting_applies_to_the_engine_the_prior_and_the_slots_and_is_undone():
+def test_an_engine_setting_applies_to_the_engine_and_the_prior_and_is_undone_and_its_slots_to_the_scenario():
     from pearl.controlplane.core.domain import Role
 
     setting = {**fidelity.fitted_setting(), "decode_efficiency": 0.6, "prefill_efficiency": 0.5,
@@ -162,9 +193,9 @@ def test_an_engine_setting_applies_to_the_engine_the_prior_and_the_slots_and_is_
         assert perf.for_role(Role.DECODE).serving == perfmodel.ServingEfficiency(0.8, 0.5)
         assert perf.for_role(Role.PREFILL).serving == perfmodel.ServingEfficiency(0.6, 0.4)
         assert prior_profile(sc).engine.turn_prefix_reuse == 0.5
-        assert fidelity._TRAJECTORIES_PER_SLOT[0] == 4
     assert (serving_perf(sc).serving, perfmodel.TURN_PREFIX_REUSE) == before
-    assert fidelity._TRAJECTORIES_PER_SLOT[0] == 1
+    slots = load_scenario(fidelity.BASE, fidelity.workload_overrides(setting))
+    assert slots.training.trajectories_per_slot == 4 and slots.env_slots == slots.workload.batch_size // 4
 
 
 def _paper_figures() -> dict:
@@ -222,3 +253,10 @@ def test_figures_over_seeds_average_the_numbers_and_take_the_commonest_ratio():
     assert mean["fig2c"]["best_ratio"][48] == "3P5D"
     assert mean["fig2a"]["rollout_over_training"] == PAPER["fig2a"]["rollout_over_training"]
     assert mean["fig2a"]["makespan_s"] == PAPER["fig2a"]["makespan_s"]
+
+
+def test_the_model_as_it_is_is_its_own_setting(fig2a, fig2b):
+    """The frozen model (the engine's constants, the base scenario's workload) and the setting that
+    describes it give the same figures: what the scan evaluated is what runs."""
+    figs = fidelity.evaluate(fidelity.fitted_setting(), with_fig2c=False)
+    assert figs["fig2a"] == fig2a and figs["fig2b"] == fig2b

@@ -32,6 +32,12 @@ from pearl.sim.scenario import load_scenario
 pytestmark = pytest.mark.unit
 
 SCENARIOS = Path(__file__).resolve().parents[2] / "sim" / "scenarios"
+# A reference SWE workload (the shipped paper scenario's shape before its round-2 fit), pinned here so
+# that these tests of the mechanisms do not move with the calibration (docs/fidelity.md).
+REFERENCE_WORKLOAD = ["workload.turns={dist: lognormal, median: 16, p99: 80, max: 100}",
+                      "workload.gen_tokens_per_turn={dist: lognormal, median: 350, p99: 3000}",
+                      "workload.obs_tokens_per_turn={dist: lognormal, median: 250, p99: 2500}",
+                      "workload.env_latency_s={dist: lognormal, median: 1.5, p99: 60}"]
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +48,8 @@ def perf() -> PerfModel:
 
 @pytest.fixture(scope="module")
 def prior(perf):
-    return profile_from_workload(load_scenario(SCENARIOS / "paper-qwen3-8b-seg1.yaml").workload, perf)
+    return profile_from_workload(load_scenario(SCENARIOS / "paper-qwen3-8b-seg1.yaml", REFERENCE_WORKLOAD).workload,
+                                 perf)
 
 
 def constant(prior, *, prompt=1000.0, turns=2.0, gen=100.0, obs=50.0, env=1.0, batch=1, cap=100_000):
@@ -216,7 +223,7 @@ def test_with_only_the_prompt_reused_split_and_colocated_prefill_alike(prior):
 
 def test_the_prior_reuses_prefixes_as_the_simulated_engine(perf, monkeypatch):
     """One source: the catalog prior takes `perfmodel.TURN_PREFIX_REUSE`, which the engine reads."""
-    workload = load_scenario(SCENARIOS / "paper-qwen3-8b-seg1.yaml").workload
+    workload = load_scenario(SCENARIOS / "paper-qwen3-8b-seg1.yaml", REFERENCE_WORKLOAD).workload
     assert profile_from_workload(workload, perf).engine.turn_prefix_reuse == perfmodel.TURN_PREFIX_REUSE
     monkeypatch.setattr(perfmodel, "TURN_PREFIX_REUSE", 0.75)
     assert profile_from_workload(workload, perf).engine.turn_prefix_reuse == 0.75

@@ -32,6 +32,12 @@ from pearl.sim.scenario import load_scenario
 pytestmark = pytest.mark.unit
 
 SCENARIOS = Path(__file__).resolve().parents[2] / "sim" / "scenarios"
+# A reference SWE workload (the shipped paper scenario's shape before its round-2 fit), pinned here so
+# that these tests of the mechanisms do not move with the calibration (docs/fidelity.md).
+REFERENCE_WORKLOAD = ["workload.turns={dist: lognormal, median: 16, p99: 80, max: 100}",
+                      "workload.gen_tokens_per_turn={dist: lognormal, median: 350, p99: 3000}",
+                      "workload.obs_tokens_per_turn={dist: lognormal, median: 250, p99: 2500}",
+                      "workload.env_latency_s={dist: lognormal, median: 1.5, p99: 60}"]
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +48,7 @@ def perf() -> PerfModel:
 
 @pytest.fixture(scope="module")
 def paper_workload() -> Workload:
-    return load_scenario(SCENARIOS / "paper-qwen3-8b-seg1.yaml").workload
+    return load_scenario(SCENARIOS / "paper-qwen3-8b-seg1.yaml", REFERENCE_WORKLOAD).workload
 
 
 @pytest.fixture(scope="module")

@@ -240,7 +240,7 @@ def test_a_paused_run_can_be_copied_and_resumed():
 
 def test_split_kv_moves_over_the_prefill_workers_nic_one_transfer_at_a_time(monkeypatch):
     # 8 dedicated GPUs of tp 2: 1 prefill worker, 3 decode workers; every KV leaves through one NIC
-    sc = load_scenario("ablation-qwen3-8b-dedicated8", ["duration_s=600", "workload.batch_size=32"])
+    sc = load_scenario("ablation-qwen3-8b-dedicated8", ["duration_s=1200", "workload.batch_size=32"])
     sim = Simulation(sc, StaticSplit(1))
     sent = {}  # request seq -> (prefill engine, sent at, arrives at, transfer seconds)
     joined = {}  # request seq -> when its decode worker took it
@@ -272,7 +272,7 @@ def test_split_kv_moves_over_the_prefill_workers_nic_one_transfer_at_a_time(monk
 
 
 def test_each_turn_waits_for_its_environment_before_the_next():
-    sim = _sim("roll", ["duration_s=900"])
+    sim = _sim("roll", ["duration_s=1500"])
     ended, resumed = {}, {}
     turn_done, resume = sim._turn_done, sim._resume
 
@@ -311,6 +311,14 @@ def test_every_server_syncs_the_new_weights_after_each_training_step():
     assert sync_s > 0 and len(synced) == r.training_steps > 0
 
 
+def _previous_of_its_slot(tid: int, b: int, slots: int) -> int | None:
+    """The trajectory the same environment slot ran just before `tid` (None for a slot's first)."""
+    k, i = divmod(tid, b)
+    if i >= slots:
+        return tid - slots
+    return None if k == 0 else (k - 1) * b + i + (b // slots - 1) * slots
+
+
 def _record_batches(sim: Simulation) -> tuple[dict, dict, dict]:
     """When each trajectory started and ended, and when each batch was created."""
     started, ended, created = {}, {}, {}
@@ -333,10 +341,11 @@ def _record_batches(sim: Simulation) -> tuple[dict, dict, dict]:
 
 
 def test_async_slots_run_their_trajectories_back_to_back_one_batch_ahead_at_most():
-    sim = _sim("roll", ["duration_s=5000"])
+    sim = _sim("roll", ["duration_s=5000", "training.trajectories_per_slot=2"])
     started, ended, created = _record_batches(sim)
     r = sim.run()
-    b = sim.sc.workload.batch_size
+    b, slots = sim.sc.workload.batch_size, sim.sc.env_slots
+    assert slots == b // 2
     ends = r.timeline.training_ends
     assert r.training_steps > 2 and created[0] == created[1] == 0.0
     sync_s = sim.sc.training.weight_sync_s
@@ -348,12 +357,12 @@ def test_async_slots_run_their_trajectories_back_to_back_one_batch_ahead_at_most
     complete = {k: max(ended[k * b + i] for i in range(b)) for k in range(r.rollout_steps)}
     overlapped = 0
     for tid, at in started.items():
-        k = tid // b
-        if k == 0:
+        k, before = tid // b, _previous_of_its_slot(tid, b, slots)
+        if before is None:
             assert at == 0.0
             continue
         # the slot moves on the moment its previous trajectory ends, or when the batch appears
-        assert at == max(ended[tid - b], created[k])
+        assert at == max(ended[before], created[k])
         overlapped += k - 1 in complete and at < complete[k - 1]
     assert overlapped > b  # slots started the next batch before the previous one was complete
     decoded, held = sim.token_balance()
@@ -361,13 +370,15 @@ def test_async_slots_run_their_trajectories_back_to_back_one_batch_ahead_at_most
 
 
 def test_sync_batching_starts_each_batch_whole_after_the_previous_one():
-    sim = _sim("roll", ["duration_s=5000", "training.batching=sync"])
+    sim = _sim("roll", ["duration_s=5000", "training.batching=sync", "training.trajectories_per_slot=2"])
     started, ended, created = _record_batches(sim)
     r = sim.run()
-    b = sim.sc.workload.batch_size
+    b, slots = sim.sc.workload.batch_size, sim.sc.env_slots
     assert r.rollout_steps > 2
-    for k in range(1, r.rollout_steps + 1):
-        assert {started[k * b + i] for i in range(b)} == {created[k]}
+    for k in range(1, r.rollout_steps):
+        # every slot starts its first trajectory of the batch at its creation, the next one after it
+        assert {started[k * b + i] for i in range(slots)} == {created[k]}
+        assert all(started[k * b + i] == ended[k * b + i - slots] for i in range(slots, b))
         assert created[k] >= max(ended[(k - 1) * b + i] for i in range(b))
     # the makespan of a step is its batch's whole span: from its creation to its last trajectory
     for k, makespan in enumerate(sim.makespans):
