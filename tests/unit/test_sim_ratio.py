@@ -300,7 +300,8 @@ PREFILL_HEAVY = "prefill-heavy-qwen3-8b-dedicated16"
 
 @pytest.mark.xfail(strict=True, reason=(
     "docs/fidelity.md, 'What the fit cannot reach' (Fig. 2c): with the engine calibrated on the paper's "
-    "§3, colocation stays ahead of every split, here too (4P4D ~32 s against ~25 s per step)"))
+    "§3 this workload's short turns keep colocation ahead (4P4D ~18 s against ~11 s per step) and the "
+    "predictor selects it"))
 def test_on_a_prefill_heavy_workload_a_split_is_predicted_simulated_and_run_by_pearl():
     """The shipped counter-example to the paper scenarios: short replies after long tool observations.
     The predictor prefers 4P4D over colocated, the simulator agrees on the same batches, and pearl
@@ -325,8 +326,8 @@ def test_on_a_prefill_heavy_workload_a_split_is_predicted_simulated_and_run_by_p
 
 
 # docs/fidelity.md, Table 2: the simulated best split of each setting
-TABLE2_BEST = {(10, False): "2P3D", (10, True): "5P8D", (12, False): "3P3D", (12, True): "5P9D",
-               (16, False): "3P5D", (16, True): "5P11D"}
+TABLE2_BEST = {(10, False): "2P3D", (10, True): "3P10D", (12, False): "2P4D", (12, True): "3P11D",
+               (16, False): "2P6D", (16, True): "5P11D"}
 
 
 @pytest.fixture(scope="module")
@@ -341,8 +342,8 @@ def table2():
 @pytest.mark.slow
 @pytest.mark.xdist_group("table2")  # one worker computes the six settings for both tests
 @pytest.mark.xfail(strict=True, reason=(
-    "docs/fidelity.md, 'What is left': the predictor selects colocation in all six settings, 0.1-1.5% "
-    "behind the best split, inside its error"))
+    "docs/fidelity.md, 'What is left': the predictor selects colocation in all six settings, 1.4-5.2% "
+    "behind the best split"))
 def test_table2_selected_is_the_empirical_best_in_five_of_six_within_one_percent(table2):
     hits = [key for key, r in table2.items() if r.selected == r.empirical_best]
     assert len(hits) >= 5, {key: (r.selected, r.empirical_best) for key, r in table2.items()}
@@ -354,9 +355,9 @@ def test_table2_selected_is_the_empirical_best_in_five_of_six_within_one_percent
 @pytest.mark.xdist_group("table2")
 def test_table2_as_reported_the_best_splits_the_gaps_and_the_predictors_error(table2):
     """What docs/fidelity.md reports of Table 2: the simulated best split of each setting, the selection
-    at most 1.5% behind it, and the predictor ranking the candidates closer to the simulator than the
-    paper's formulas do (MAPE under 8% against 19-32%)."""
+    (colocation) 1.4-5.2% behind it, and the predictor ranking the candidates closer to the simulator
+    than the paper's formulas do (MAPE under 8%, below theirs)."""
     assert {key: r.empirical_best.label for key, r in table2.items()} == TABLE2_BEST
     gaps = {key: r.gap for key, r in table2.items()}
-    assert all(gap is not None and 0 <= gap <= 0.016 for gap in gaps.values()), gaps
+    assert all(gap is not None and 0.01 <= gap <= 0.06 for gap in gaps.values()), gaps
     assert all(r.mape() < 0.08 and r.mape() < r.mape(paper=True) for r in table2.values())
