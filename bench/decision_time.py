@@ -114,7 +114,7 @@ def main() -> None:
     args = parser.parse_args()
     sc = load_scenario(SCENARIO)
     perf = serving_perf(sc)
-    prior = profile_from_workload(sc.workload, perf)
+    prior = profile_from_workload(sc.workload, perf, rollout=sc.training.rollout())
     select(prior, 8)  # warm up imports and numpy
     results = [run(int(g), args.repeat, prior, sc.tp) for g in args.gpus.split(",")]
     print(

@@ -61,6 +61,7 @@ def row(result: RatioResult, gpus: int, overlap: bool) -> dict:
         "selected_rank": next(i for i, c in enumerate(ranking, 1) if c.config == result.selected)
         if result.selected is not None else None,
         "mape": data["mape"],
+        "mape_by_mode": data["mape_by_mode"],
         "paper_formulas_mape": data["paper_mape"],
         "paper_formulas_selected": data["paper_selected"],
         "paper_formulas_gap": data["paper_gap"],
@@ -110,6 +111,8 @@ def main() -> None:
         "of": len(settings),
         "max_gap": max_gap,
         "mape": {"ours_mean": round(sum(r["mape"] for r in rows) / len(settings), 5),
+                 **{f"ours_{mode}_mean": round(sum(r["mape_by_mode"][mode] for r in rows) / len(settings), 5)
+                    for mode in ("colocated", "split")},
                  "paper_formulas_mean": round(sum(r["paper_formulas_mape"] for r in rows) / len(settings), 5)},
         "paper": {"selected_is_best": sum(v[0] == v[1] for v in PAPER.values()), "of": len(PAPER),
                   "max_gap": 0.004},

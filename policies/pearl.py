@@ -52,9 +52,15 @@ from pearl.controlplane.core.domain import Activity, Mode
 from pearl.controlplane.core.fleet import FleetSnapshot, Target
 from pearl.controlplane.core.perfmodel import PerfModel
 from pearl.controlplane.core.predictor import Config, predict
-from pearl.controlplane.core.profile import Profile, profile_from_dict, profile_from_workload, profile_to_dict
+from pearl.controlplane.core.profile import (
+    Profile,
+    Rollout,
+    profile_from_dict,
+    profile_from_workload,
+    profile_to_dict,
+)
 from pearl.controlplane.core.selector import Candidate, Selection, current_config, select
-from pearl.controlplane.core.switching import SwitchCosts, decide_switch
+from pearl.controlplane.core.switching import SwitchCosts, decide_switch, margin
 from pearl.controlplane.core.tracker import fit_profile
 from pearl.controlplane.core.workload import Workload
 from pearl.controlplane.errors import BadInput
@@ -226,10 +232,11 @@ class PearlPolicy:
         name: str = "pearl",
         borrow: Borrow = Borrow.GATED,
         forced_split: bool = False,
+        rollout: Rollout | None = None,
     ) -> PearlPolicy:
         """From a scenario's or an inventory's workload block, perf model and `reconfig` costs."""
         return cls(
-            prior=profile_from_workload(workload, perf),
+            prior=profile_from_workload(workload, perf, rollout=rollout),
             toggle_prior=toggle_cost_prior(reconfig.toggle_on_s, reconfig.toggle_off_s, weight_sync_s),
             costs_prior=SwitchCosts.from_reconfig(reconfig, weight_sync_s),
             name=name,
@@ -353,7 +360,8 @@ class PearlPolicy:
         ref = next((c for c in splits if c.config == reference), None)
         if ref is None or ref.config == best.config:
             return best.config, best.predicted_s, f"forced split: {best.config} is the best split{note}"
-        d = decide_switch(ref.config, ref.predicted_s, best.config, best.predicted_s, costs)
+        d = decide_switch(ref.config, ref.predicted_s, best.config, best.predicted_s, costs,
+                          margin=margin(0.0, 0.0, same_mode=True))
         kept = best if d.switch else ref
         return kept.config, kept.predicted_s, f"forced split: {d.reason}{note}"
 

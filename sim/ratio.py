@@ -121,7 +121,7 @@ def run_static(scenario: Scenario, config: Config, stop_after: int | None = None
 def prior_profile(scenario: Scenario) -> Profile:
     """The catalog prior: the scenario's workload block and the catalog performance model."""
     perf = serving_perf(scenario)
-    return profile_from_workload(scenario.workload, perf)
+    return profile_from_workload(scenario.workload, perf, rollout=scenario.training.rollout())
 
 
 def fit_from_run(prior: Profile, run: StaticRun, warmup: int = WARMUP_STEPS) -> Profile:
@@ -195,9 +195,10 @@ class RatioResult:
         feasible = [c for c in self.candidates if c.feasible and math.isfinite(c.paper_s)]
         return min(feasible, key=lambda c: c.paper_s).config if feasible else None
 
-    def mape(self, paper: bool = False) -> float | None:
-        """Mean absolute percentage error of the predictions against the simulator, feasible candidates."""
-        rows = [c for c in self.candidates if c.feasible]
+    def mape(self, paper: bool = False, mode: Mode | None = None) -> float | None:
+        """Mean absolute percentage error of the predictions against the simulator, feasible candidates
+        (of one mode when `mode` is given)."""
+        rows = [c for c in self.candidates if c.feasible and mode in (None, c.config.mode)]
         if not rows:
             return None
         return sum(abs((c.paper_s if paper else c.predicted_s) / c.simulated_s - 1) for c in rows) / len(rows)
@@ -226,6 +227,7 @@ class RatioResult:
             "budget_gpus": self.budget_workers * self.tp,
             "budget_workers": self.budget_workers,
             "mape": _round(self.mape(), 5),
+            "mape_by_mode": {m.value: _round(self.mape(mode=m), 5) for m in Mode},
             "paper_mape": _round(self.mape(paper=True), 5),
             "paper_selected": label(paper_selected),
             "paper_gap": _round(self.simulated(paper_selected) / self.simulated(self.empirical_best) - 1, 5)

@@ -507,7 +507,8 @@ class Simulation:
             if w.engine is not None:
                 if self.sc.training.weight_update == "abort":
                     aborted += self._abort(w.engine, discard=True)
-                self._outcomes(w.engine, w.engine.pause(self.now, until))
+                if w.engine is not None:  # the abort's outcomes may have ended a draining worker
+                    self._outcomes(w.engine, w.engine.pause(self.now, until))
                 w.weights_version = version
         for req in aborted:  # re-issued to the new weights: they wait for the pause
             self._dispatch(req.traj)

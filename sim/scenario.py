@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pearl.controlplane.core.catalog import default_catalog
 from pearl.controlplane.core.perfmodel import AGENTIC_LOAD, PerfModel
+from pearl.controlplane.core.profile import Rollout
 from pearl.controlplane.core.validation import format_validation
 from pearl.controlplane.core.workload import Workload
 from pearl.controlplane.errors import BadInput
@@ -71,6 +72,12 @@ class Training(_Strict):
     # trajectories each environment slot runs per batch, one after the other (ROLL's max_traj_per_env):
     # the slots (trajectories rolled out at once) are batch_size / trajectories_per_slot
     trajectories_per_slot: int = Field(default=1, ge=1)
+
+    def rollout(self) -> Rollout:
+        """How the predictor sees this loop (profile.Rollout)."""
+        return Rollout(batching=self.batching, trajectories_per_slot=self.trajectories_per_slot,
+                       staleness=self.staleness, update_gap_s=self.step_s + self.weight_sync_s,
+                       update_pause_s=self.weight_sync_s, abort_on_update=self.weight_update == "abort")
 
 
 class Reconfig(_Strict):

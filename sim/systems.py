@@ -54,7 +54,7 @@ def pearl(name: str, borrow: Borrow = Borrow.GATED, forced_split: bool = False) 
     def build(sc: Scenario) -> Policy:
         perf = serving_perf(sc)
         return PearlPolicy.build(sc.workload, perf, sc.reconfig, sc.training.weight_sync_s, name=name,
-                                 borrow=borrow, forced_split=forced_split)
+                                 borrow=borrow, forced_split=forced_split, rollout=sc.training.rollout())
 
     return build
 

@@ -37,13 +37,13 @@ the measured f, which belongs to the configuration that was measured.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 from pearl.controlplane.core.domain import Mode, Role
 from pearl.controlplane.core.perfmodel import reusable_prefix
-from pearl.controlplane.core.profile import Profile, TrajectorySample
+from pearl.controlplane.core.profile import EngineProfile, Profile, TrajectorySample
 from pearl.controlplane.errors import BadInput
 
 FIXED_POINT_ITERATIONS = 4  # f converges to <1% in 3-4 iterations on the paper workloads
@@ -207,6 +207,9 @@ class Workbook:
     alive: np.ndarray  # (R,) expected trajectories still running in round k (of B, at least 1)
     alive_fraction: np.ndarray  # (R+1,) share of trajectories not done before round k (1 at k=0)
     stats: dict[str, np.ndarray]  # (R,) means over the trajectories alive in round k
+    # (decode, end-of-prefill) context of the trajectories decoding at a random moment: turns weighted
+    # by the tokens they generate (asynchronous batches, where turns of every index run side by side)
+    decoding_context: tuple[float, float]
     # `evaluate`'s results on this workbook by their inputs: successive decisions of a step ask again
     # for the same budgets at the same remaining share (about half the calls of a simulated run)
     evaluations: dict[tuple, Evaluation] = field(default_factory=dict, repr=False)
@@ -249,19 +252,19 @@ def _workbook(profile: Profile, s: TrajectorySample, batch: bool) -> Workbook:
     reusable = {split: reusable_prefix(own, s.prompt[:, None], e.turn_prefix_reuse) * turn
                 for split, own in ((False, ctx_before), (True, cached_split))}
 
-    def prefill(tokens: np.ndarray) -> np.ndarray:
-        return e.prefill_s_per_token * tokens + e.prefill_s_per_token_per_ctx * tokens * ctx_before
+    def prefill(tokens: np.ndarray, scale: float = 1.0) -> np.ndarray:
+        return scale * (e.prefill_s_per_token * tokens + e.prefill_s_per_token_per_ctx * tokens * ctx_before)
 
-    def again(own: np.ndarray, kept: np.ndarray) -> np.ndarray:
+    def again(own: np.ndarray, kept: np.ndarray, scale: float = 1.0) -> np.ndarray:
         """Prefill of the cached context beyond the reused part, `kept` tokens before it."""
-        return e.prefill_s_per_token * (own - kept) + e.prefill_s_per_token_per_ctx * (own**2 - kept**2) / 2
+        return scale * (e.prefill_s_per_token * (own - kept) + e.prefill_s_per_token_per_ctx * (own**2 - kept**2) / 2)
 
     rows = _Rows(
         gen=s.gen,
         turn=turn,
         env_turn=s.env,
         pre_colocated=prefill(new) + again(ctx_before, reusable[False]),
-        pre_split=prefill(new_split) + again(cached_split, reusable[True]),
+        pre_split=prefill(new_split, e.prefill_only_scale) + again(cached_split, reusable[True], e.prefill_only_scale),
         reusable_colocated=reusable[False],
         reusable_split=reusable[True],
         transfer=e.kv_transfer_s(ctx_end) * turn,
@@ -299,6 +302,8 @@ def _workbook(profile: Profile, s: TrajectorySample, batch: bool) -> Workbook:
         weights=weights,
         longest_context=float((ctx_end + s.gen).max()),
         alive=np.maximum(big_b * count / k_n, 1.0),
+        decoding_context=(float(((ctx_end + s.gen / 2) * s.gen).sum() / max(float(s.gen.sum()), 1.0)),
+                          float((ctx_end * s.gen).sum() / max(float(s.gen.sum()), 1.0))),
         alive_fraction=np.concatenate([[1.0], count[1:] / k_n, [0.0]]),
         stats={
             "gen": mean(s.gen),
@@ -328,20 +333,29 @@ class _Costs:
     diagnostics: dict[str, np.ndarray]
 
 
-def _round_costs(wb: Workbook, split: bool, st: dict, alive: Any, n1: Any, n2: Any, f: Any) -> _Costs:
-    """Costs of a turn when `alive` trajectories run; n1 = N (colocated) or N_P, n2 = N_D (split)."""
+def _round_costs(wb: Workbook, split: bool, st: dict, alive: Any, n1: Any, n2: Any, f: Any,
+                 mix: dict | None = None) -> _Costs:
+    """Costs of a turn when `alive` trajectories run; n1 = N (colocated) or N_P, n2 = N_D (split).
+
+    `st` holds the turn's own means (per round); the others' load is read from `mix` when given
+    (asynchronous batches: the mean turn over every round, as turns of every index run side by side)
+    and from `st` otherwise (rounds in lock-step)."""
     p, e = wb.profile, wb.profile.engine
+    others = st if mix is None else mix
     cap = float(e.kv_capacity_tokens)
     ctx = st["ctx_decode"]
-    tp = e.prefill_s_per_token_at(st["ctx_before"])
+    scale = _prefill_scale(e, split)
+    tp = e.prefill_s_per_token_at(st["ctx_before"]) * scale
+    tp_others = tp if mix is None else e.prefill_s_per_token_at(mix["ctx_before"]) * scale
     if not split:
         m = 1 + (alive - 1) / n1  # trajectories on a worker (sticky routing, even spread)
         miss = np.clip(1 - cap / (m * st["ctx_end"]), 0.0, 1.0)
         pre = _turn_prefill_tokens(st, split, miss) * tp
+        pre_others = _turn_prefill_tokens(others, split, miss) * tp_others
         dec = 1 + f * (m - 1)
         queue = np.maximum(1.0, dec * ctx / cap)  # KV admission: capacity/ctx sequences run at once
         per_token = e.decode_iteration_s(dec / queue, ctx) * queue
-        interference = f * (m - 1) * pre  # others' prefills landing while this one decodes
+        interference = f * (m - 1) * pre_others  # others' prefills landing while this one decodes
         decode = st["gen"] * per_token
         f_new = decode / (decode + pre + interference + st["env"] + p.t_over_s)
         return _Costs(per_token, miss, interference + p.t_over_s, f_new, {"kv_utilisation": dec * ctx / cap})
@@ -351,21 +365,38 @@ def _round_costs(wb: Workbook, split: bool, st: dict, alive: Any, n1: Any, n2: A
     xfer = st["transfer"]
     dec = np.maximum(1.0, 1 + (f * alive - 1) / n2)
     queue = np.maximum(1.0, dec * ctx / cap)
-    per_token = e.decode_iteration_s(dec / queue, ctx) * queue
+    per_token = e.decode_iteration_s(dec / queue, ctx) * queue * e.decode_only_scale
     decode = st["gen"] * per_token
-    rnd = decode + pre + xfer + st["env"] + p.t_over_s  # a round of one trajectory, unloaded
-    # Each prefill worker's compute and NICs serve its m_p trajectories every round; the receiving
-    # side spreads over N_D workers' NICs: contention is on the busier side.
-    load_pre, load_nic = m_p * pre, np.maximum(m_p, alive / n2) * xfer
-    wait = _md1_wait(load_pre / rnd, pre) + _md1_wait(load_nic / rnd, xfer)
-    stall = np.maximum(0.0, np.maximum(load_pre, load_nic) - (rnd + wait))
-    f_new = decode / (rnd + wait + stall)
+    if mix is None:
+        pre_o, xfer_o, rnd_o = pre, xfer, decode + pre + xfer + st["env"] + p.t_over_s
+    else:
+        pre_o = _turn_prefill_tokens(mix, split, miss) * tp_others
+        xfer_o = mix["transfer"]
+        rnd_o = mix["gen"] * per_token + pre_o + xfer_o + mix["env"] + p.t_over_s
+    # Each prefill worker's compute and NICs serve its m_p trajectories every round (a turn of each,
+    # a round being a turn's unloaded length); the receiving side spreads over N_D workers' NICs:
+    # contention is on the busier side.
+    load_pre, load_nic = m_p * pre_o, np.maximum(m_p, alive / n2) * xfer_o
+    wait = _md1_wait(load_pre / rnd_o, pre_o) + _md1_wait(load_nic / rnd_o, xfer_o)
+    if mix is not None:
+        # no lock-step rounds: each trajectory comes back a turn's length, its waits included, after
+        # its last request, so the arrival rate is what the waits leave (solved by iteration)
+        for _ in range(WAIT_ITERATIONS):
+            cycle = rnd_o + wait
+            wait = _md1_wait(load_pre / cycle, pre_o) + _md1_wait(load_nic / cycle, xfer_o)
+    stall = np.maximum(0.0, np.maximum(load_pre, load_nic) - (rnd_o + wait))
+    f_new = decode / (decode + pre + xfer + st["env"] + p.t_over_s + wait + stall)
     diagnostics = {
         "kv_utilisation": dec * ctx / cap,
-        "nic_utilisation": load_nic / rnd,
-        "prefill_utilisation": load_pre / (rnd + wait),
+        "nic_utilisation": load_nic / rnd_o,
+        "prefill_utilisation": load_pre / (rnd_o + wait),
     }
     return _Costs(per_token, miss, wait + stall + p.t_over_s, f_new, diagnostics)
+
+
+def _prefill_scale(e: EngineProfile, split: bool) -> float:
+    """A prefill worker's prefill relative to a colocated worker's (1 when colocated)."""
+    return e.prefill_only_scale if split else 1.0
 
 
 def _turn_prefill_tokens(st: dict, split: bool, miss: Any) -> Any:
@@ -432,7 +463,7 @@ def evaluate(
     key = (split, n1.tobytes(), n2.tobytes(), float(remaining_fraction), refine, tuple(int(i) for i in include))
     found = wb.evaluations.get(key)
     if found is None:
-        found = _evaluate(wb, split, n1, n2, remaining_fraction, refine, include)
+        found = _corrected(wb, split, _evaluate(wb, split, n1, n2, remaining_fraction, refine, include))
         for array in (found.makespan_s, found.feasible, found.refined, *found.components.values(),
                       *found.diagnostics.values()):
             array.flags.writeable = False
@@ -442,10 +473,21 @@ def evaluate(
     return found
 
 
+def _corrected(wb: Workbook, split: bool, ev: Evaluation) -> Evaluation:
+    """The model's step times in a mode that ran, times the profile's correction for that mode
+    (`Profile.mode_adjustment`); its remaining error is reported as `model_error`."""
+    factor, error = wb.profile.mode_adjustment((Mode.SPLIT if split else Mode.COLOCATED).value)
+    n = len(ev.makespan_s)
+    diagnostics = ev.diagnostics | {"mode_correction": np.full(n, factor), "model_error": np.full(n, error)}
+    return replace(ev, makespan_s=ev.makespan_s * factor, diagnostics=diagnostics)
+
+
 def _evaluate(wb: Workbook, split: bool, n1: np.ndarray, n2: np.ndarray, remaining_fraction: float,
               refine: int | None, include: tuple[int, ...]) -> Evaluation:
     """`evaluate`'s work, done afresh."""
     p = wb.profile
+    if p.rollout.is_async:
+        return _evaluate_async(wb, split, n1, n2, remaining_fraction, refine, include)
     st = {k: v[:, None] for k, v in wb.stats.items()}
     f = np.full((len(wb.alive), len(n1)), p.decode_fraction)
     for _ in range(FIXED_POINT_ITERATIONS):
@@ -453,7 +495,8 @@ def _evaluate(wb: Workbook, split: bool, n1: np.ndarray, n2: np.ndarray, remaini
         f = costs.f
     e = p.engine
     coefficients = np.vstack(
-        [costs.per_token, costs.miss * e.prefill_s_per_token, costs.miss * e.prefill_s_per_token_per_ctx, costs.extra]
+        [costs.per_token, costs.miss * e.prefill_s_per_token * _prefill_scale(e, split),
+         costs.miss * e.prefill_s_per_token_per_ctx * _prefill_scale(e, split), costs.extra]
     )
     lead_total = wb.lead_matrix[split] @ coefficients + wb.lead_constant[split][:, None]
     makespan = wb.lead_weights @ np.sort(lead_total, axis=0)
@@ -510,6 +553,158 @@ def _evaluate(wb: Workbook, split: bool, n1: np.ndarray, n2: np.ndarray, remaini
     )
 
 
+# -- asynchronous batches (profile.Rollout.batching "async") ---------------------------------------
+#
+# Environment slots run trajectories back to back and go on with the next batch at once, so the
+# fleet carries about `slots` trajectories all the time, of every turn and context, and a batch is
+# complete when the last of its slots is. Each trajectory's time is timed under that constant load
+# (the round model with alive = the load and the time-averaged context of the trajectories decoding
+# beside it); the interval between batches then comes from running the slots: SLOT_BATCHES batches
+# of trajectories drawn from the sample (the same draws for every configuration), each slot
+# starting a batch once it exists (`staleness` ahead of the last complete batch, `update_gap_s`
+# after it), every weight update pausing the servers and, when it aborts, costing the in-flight
+# turns their progress. The load is then refined by the share of time slots wait (twice).
+
+SLOT_BATCHES = 40  # batches run by the slot model per configuration (the first SLOT_WARMUP dropped)
+SLOT_WARMUP = 6
+SLOT_SEED = 20261204
+LOAD_ITERATIONS = 2
+WAIT_ITERATIONS = 4  # the prefill wait and the arrival rate it leaves: within 1% after 3-4
+
+
+@dataclass(frozen=True)
+class _SlotRun:
+    interval_s: np.ndarray  # (C,) mean time between batch completions
+    remaining_s: np.ndarray  # (C,) mean time from `remaining_fraction` of a batch left to its completion
+    tail_s: np.ndarray  # (C,) the same from TAIL_QUANTILE of it done
+    busy: np.ndarray  # (C,) share of slot time spent running a trajectory
+
+
+@functools.lru_cache(maxsize=32)
+def _slot_draws(k_n: int, slots: int, per_slot: int) -> np.ndarray:
+    """(SLOT_BATCHES, slots, per_slot) indices into the sample: which trajectory each slot runs."""
+    return np.random.default_rng(SLOT_SEED).integers(0, k_n, size=(SLOT_BATCHES, slots, per_slot))
+
+
+def _run_slots(wb: Workbook, durations: np.ndarray, delay: np.ndarray, remaining_fraction: float) -> _SlotRun:
+    """The slots of profile.rollout over SLOT_BATCHES batches; `durations` (K, C) per trajectory,
+    `delay` (C,) what each weight update costs a running slot."""
+    p, ro = wb.profile, wb.profile.rollout
+    slots, per_slot = ro.slots(p.batch_size), ro.trajectories_per_slot
+    draws = _slot_draws(durations.shape[0], slots, per_slot)
+    c_n = durations.shape[1]
+    batch = slots * per_slot
+    left = min(batch - 1, max(0, int(round(remaining_fraction * batch))))  # trajectories still running
+    tail_left = min(batch - 1, max(0, int(round((1 - TAIL_QUANTILE) * batch))))
+    free = np.zeros((slots, c_n))  # when each slot is free for its next batch
+    created = [np.zeros(c_n)] * (ro.staleness + 1)
+    complete = np.zeros(c_n)
+    intervals, remaining, tails, idle, busy = [], [], [], np.zeros(c_n), np.zeros(c_n)
+    for k in range(SLOT_BATCHES):
+        start = np.maximum(free, created[k])
+        waiting = start - free
+        ends = start[:, None, :] + np.cumsum(durations[draws[k]], axis=1)  # (slots, per_slot, C)
+        free = ends[:, -1, :] + delay[None, :]
+        previous, complete = complete, np.maximum(complete, ends[:, -1, :].max(axis=0))
+        created.append(complete + ro.update_gap_s)
+        if k >= SLOT_WARMUP:
+            order = np.sort(ends.reshape(batch, c_n), axis=0)
+            intervals.append(complete - previous)
+            remaining.append(complete - np.maximum(previous, order[batch - 1 - left]) if left < batch - 1
+                             else complete - previous)
+            tails.append(complete - np.maximum(previous, order[batch - 1 - tail_left]))
+            idle += waiting.sum(axis=0)
+            busy += (ends[:, -1, :] - start).sum(axis=0)
+    interval = np.mean(intervals, axis=0)
+    remaining_s = interval if remaining_fraction >= 1 else np.mean(remaining, axis=0)
+    return _SlotRun(interval, remaining_s, np.mean(tails, axis=0), busy / np.maximum(busy + idle, 1e-300))
+
+
+def _evaluate_async(wb: Workbook, split: bool, n1: np.ndarray, n2: np.ndarray, remaining_fraction: float,
+                    refine: int | None = None, include: tuple[int, ...] = ()) -> Evaluation:
+    """`evaluate` for asynchronous batches (the section's comment). The slots are run for the
+    `refine` configurations of smallest mean trajectory time (and those in `include`; all when
+    `refine` is None); the others' interval is their mean trajectory time scaled as the run ones'."""
+    if not 0 < remaining_fraction <= 1:
+        raise BadInput(f"remaining_fraction: must be in (0, 1], got {remaining_fraction}")
+    p, e, ro = wb.profile, wb.profile.engine, wb.profile.rollout
+    rows = wb.rows
+    ctx_decode, ctx_end = wb.decoding_context
+    st = {k: v[:, None] for k, v in wb.stats.items()}
+    st["ctx_decode"] = np.full_like(st["ctx_decode"], ctx_decode)  # the others decoding beside a turn
+    st["ctx_end"] = np.full_like(st["ctx_end"], ctx_end)
+    turns = rows.turn.sum(axis=0)
+    mix = {k: float(turns @ v / turns.sum()) for k, v in wb.stats.items()} | {"ctx_decode": ctx_decode,
+                                                                             "ctx_end": ctx_end}
+    r_n, c_n = len(wb.alive), len(n1)
+    slots, per_slot = ro.slots(p.batch_size), ro.trajectories_per_slot
+    weight = turns / turns.sum()
+    mean_row = {split_: m.mean(axis=0) for split_, m in wb.rows_matrix.items()}
+    load = np.full(c_n, float(slots))
+    chosen = np.arange(c_n)
+    for _ in range(LOAD_ITERATIONS):
+        alive = np.broadcast_to(load[None, :], (r_n, c_n))
+        f = np.full((r_n, c_n), p.decode_fraction)
+        for _ in range(FIXED_POINT_ITERATIONS):
+            costs = _round_costs(wb, split, st, alive, n1[None, :], n2[None, :], f, mix)
+            f = costs.f
+        scale = _prefill_scale(e, split)
+        coefficients = np.vstack([costs.per_token, costs.miss * e.prefill_s_per_token * scale,
+                                  costs.miss * e.prefill_s_per_token_per_ctx * scale, costs.extra])
+        mean_s = mean_row[split] @ coefficients + wb.rows_constant[split].mean()  # (C,) mean trajectory
+        if refine is not None:
+            best = np.argsort(mean_s, kind="stable")[:refine]
+            chosen = np.union1d(best, np.asarray(include, dtype=int)).astype(int)
+        durations = wb.rows_matrix[split] @ coefficients[:, chosen] + wb.rows_constant[split][:, None]
+        decoding = weight @ costs.f
+        # an aborted turn loses what it generated: the in-flight one is length-biased, E[T^2] / 2E[T]
+        # over the turns' decode times gen * per_token (summed per round, then over rounds)
+        first, second = rows.gen.sum(axis=0) @ costs.per_token, (rows.gen**2).sum(axis=0) @ costs.per_token**2
+        lost = decoding * second / (2 * np.maximum(first, 1e-300))
+        delay = np.broadcast_to(ro.update_pause_s + (lost if ro.abort_on_update else 0.0), (c_n,)).astype(float)
+        run = _run_slots(wb, durations, delay[chosen], remaining_fraction)
+        busy = np.full(c_n, float(np.median(run.busy)))
+        busy[chosen] = run.busy
+        load = np.maximum(slots * busy, 1.0)
+    # the configurations not run: their mean trajectory time, times the run ones' median ratios
+    little = per_slot * mean_s
+    interval, remaining, tail = (np.asarray(little * float(np.median(v / little[chosen]))) for v in
+                                 (run.interval_s, run.remaining_s, run.tail_s))
+    interval[chosen], remaining[chosen], tail[chosen] = run.interval_s, run.remaining_s, run.tail_s
+    gen_mean, turn_mean = rows.gen.mean(axis=0), rows.turn.mean(axis=0)
+    width = rows.gen.shape[1]
+    mean_parts = {
+        "decode_s": gen_mean @ costs.per_token,
+        "prefill_s": ((rows.pre_split if split else rows.pre_colocated).sum(axis=1).mean()
+                      + mean_row[split][width:3 * width] @ coefficients[width:3 * width]),
+        "kv_transfer_s": np.full(c_n, rows.transfer.sum(axis=1).mean() if split else 0.0),
+        "queue_s": turn_mean @ (costs.extra - p.t_over_s),
+        "overhead_s": np.full(c_n, turn_mean.sum() * p.t_over_s),
+        "env_s": np.full(c_n, rows.env_turn.sum(axis=1).mean()),
+    }
+    components = {name: per_slot * v for name, v in mean_parts.items()}
+    components["slot_wait_s"] = interval - sum(components.values())
+    diagnostics = {
+        "tail_s": tail,
+        "prefix_miss_rate": weight @ costs.miss,
+        "decode_fraction": decoding,
+        "kv_utilisation": np.max(costs.diagnostics["kv_utilisation"], axis=0),
+        "concurrent_trajectories": load,
+        "mean_trajectory_s": mean_s,
+    }
+    reasons = _feasibility(wb, split, n1, n2, costs, interval, diagnostics, alive=load)
+    refined = np.zeros(c_n, dtype=bool)
+    refined[chosen] = True
+    return Evaluation(
+        makespan_s=np.maximum(remaining, 0.0),
+        feasible=np.array([not r for r in reasons]),
+        reasons=reasons,
+        refined=refined,
+        components=components,
+        diagnostics=diagnostics,
+    )
+
+
 def _boundary(wb: Workbook, remaining_fraction: float) -> tuple[int, float]:
     """The round boundary at which `remaining_fraction` of the trajectories are still alive, as
     (k, w): w of the way from boundary k-1 to boundary k; (0, 0) at the start of a step."""
@@ -529,7 +724,9 @@ def _elapsed(wb: Workbook, split: bool, st: dict, costs: _Costs, remaining_fract
     k, w = _boundary(wb, remaining_fraction)
     if k == 0:
         return np.zeros(costs.per_token.shape[1])
-    pre = _turn_prefill_tokens(st, split, costs.miss) * wb.profile.engine.prefill_s_per_token_at(st["ctx_before"])
+    e = wb.profile.engine
+    t_p = e.prefill_s_per_token_at(st["ctx_before"]) * _prefill_scale(e, split)
+    pre = _turn_prefill_tokens(st, split, costs.miss) * t_p
     rnd = st["gen"] * costs.per_token + pre + costs.extra + st["env"] + (st["transfer"] if split else 0.0)
     times = np.vstack([np.zeros((1, rnd.shape[1])), np.cumsum(rnd, axis=0)])  # (R+1, C) at each round's end
     return times[k - 1] + w * (times[min(k, len(times) - 1)] - times[k - 1])
@@ -580,6 +777,7 @@ def _refine(
             "decode_s": w.gen[top, k] * c.per_token,
             "prefill_s": pre[top, k]
             + c.miss
+            * _prefill_scale(e, split)
             * (reusable[top, k] * e.prefill_s_per_token + reusable[top, k] ** 2 / 2 * e.prefill_s_per_token_per_ctx),
             "kv_transfer_s": w.transfer[top, k] if split else np.zeros_like(tau),
             "queue_s": c.extra - p.t_over_s,
@@ -598,7 +796,8 @@ def _refine(
 
 
 def _feasibility(
-    wb: Workbook, split: bool, n1: np.ndarray, n2: np.ndarray, costs: _Costs, makespan: np.ndarray, diag: dict
+    wb: Workbook, split: bool, n1: np.ndarray, n2: np.ndarray, costs: _Costs, makespan: np.ndarray, diag: dict,
+    alive: np.ndarray | None = None,
 ) -> list[str]:
     """Why each configuration cannot run ("" when it can); fills diag with the utilisations it checks."""
     p, e = wb.profile, wb.profile.engine
@@ -611,7 +810,10 @@ def _feasibility(
     if not split:
         return [common] * len(n1)
     # docs/method.md: the decode KV must hold the expected concurrent footprint, and prefill must keep up
-    footprint = np.max(p.decode_fraction * wb.alive * wb.stats["ctx_decode"])
+    if alive is None:
+        footprint = np.full(len(n1), np.max(p.decode_fraction * wb.alive * wb.stats["ctx_decode"]))
+    else:  # asynchronous batches: a constant load of trajectories at every context
+        footprint = p.decode_fraction * alive * float(np.max(wb.stats["ctx_decode"]))
     turns = wb.rows.turn.sum(axis=0)
     # a prefill worker's work per round over the round's unstalled length, averaged over the turns
     busy = turns @ costs.diagnostics["prefill_utilisation"] / turns.sum()
@@ -621,8 +823,9 @@ def _feasibility(
     for i in range(len(n1)):
         if common:
             reasons.append(common)
-        elif footprint > n2[i] * cap:
-            reasons.append(f"decode KV too small: {footprint:.0f} tokens decoding at once > {int(n2[i])} x {int(cap)}")
+        elif footprint[i] > n2[i] * cap:
+            reasons.append(
+                f"decode KV too small: {footprint[i]:.0f} tokens decoding at once > {int(n2[i])} x {int(cap)}")
         elif busy[i] > 1:
             reasons.append(f"prefill cannot keep up: {int(n1[i])} prefill workers {busy[i]:.0%} busy")
         else:

@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 from pearl.controlplane.core import perfmodel
+from pearl.controlplane.core.domain import Role
 from pearl.controlplane.core.perfmodel import TURN_PREFIX_REUSE, PerfModel
 from pearl.controlplane.core.workload import Workload
 from pearl.controlplane.errors import BadInput
@@ -50,6 +51,11 @@ TAIL_Z = 4.4  # the pools reach the quantiles at normal scores ±4.4 (probabilit
 SAMPLE_SIZE = 2048  # synthetic trajectories the predictor times (expected max within ~1.3% over seeds)
 SAMPLE_SEED = 20240917  # fixed: the sample is a deterministic function of the pools
 BATCH_HINT_WORKERS = 8  # A and b are a secant around B/8 decoding sequences per worker
+# The predictor's error in a mode it has not seen run (sd of log(measured / predicted) step time): the
+# RMS error of the model against the simulator over the paper's Table 2 settings (bench/table2.py)
+MODEL_ERROR = 0.04
+STEP_NOISE_PRIOR = 0.15  # one step's spread around the expected step time (asynchronous batches, measured)
+STEP_NOISE_MIN = 0.02  # the least spread credited to measured steps
 
 
 class Provenance(StrEnum):
@@ -82,6 +88,10 @@ class EngineProfile:
     kv_setup_s: float  # per-transfer handshake
     kv_capacity_tokens: int  # KV tokens one worker holds
     turn_prefix_reuse: float = TURN_PREFIX_REUSE  # share of the context beyond the prompt the next turn reuses
+    # a split's workers run at their own serving efficiencies: a decode-only worker's decode iteration
+    # and a prefill-only worker's prefill, each relative to a colocated worker's (1.0: the same)
+    decode_only_scale: float = 1.0
+    prefill_only_scale: float = 1.0
 
     def decode_iteration_s(self, batch: Any, ctx_mean: Any) -> Any:
         """T_iter(n, ctx) = base(n) + b_ctx * n * ctx (numpy-broadcastable; base linear between points)."""
@@ -200,6 +210,32 @@ def draw_trajectories(pools: WorkloadPools, cap: int, k: int, seed: int = SAMPLE
 
 
 @dataclass(frozen=True)
+class Rollout:
+    """How the RL framework forms its batches (a scenario's `training` block): what turns the
+    trajectories' times into the interval between batches.
+
+    `sync`: each batch starts whole once the previous one is complete (a per-batch barrier): a step
+    lasts as long as its slowest trajectory. `async` (ROLL's asynchronous mode): `slots` environment
+    slots each run `trajectories_per_slot` trajectories of a batch back to back and go on with the
+    next batch at once, never more than `staleness` batches ahead of the weights; batch k + staleness
+    + 1 exists `update_gap_s` after batch k completes (a training step and its weight update)."""
+
+    batching: str = "sync"
+    trajectories_per_slot: int = 1
+    staleness: int = 1
+    update_gap_s: float = 0.0  # training step + weight update, from a batch's completion
+    update_pause_s: float = 0.0  # the servers pause this long at each weight update
+    abort_on_update: bool = False  # in-flight turns are aborted at a weight update and sent again
+
+    @property
+    def is_async(self) -> bool:
+        return self.batching == "async"
+
+    def slots(self, batch_size: int) -> int:
+        return max(1, batch_size // self.trajectories_per_slot) if self.is_async else batch_size
+
+
+@dataclass(frozen=True)
 class Profile:
     """Everything the predictor needs (module docstring); method symbols are derived properties."""
 
@@ -214,7 +250,33 @@ class Profile:
     overhead_residual_s: float = 0.0  # signed EMA of the per-turn makespan residual; T_over is its positive part
     group_size: int = 1
     steps_observed: int = 0  # telemetry steps folded in
+    rollout: Rollout = field(default_factory=Rollout)
+    # per mode that ran ("colocated", "split"): (mode, steps, EMA of log(measured / predicted) step
+    # time, EMA of its square), from the tracker; a mode absent here has not run and is predicted by
+    # the model alone
+    mode_corrections: tuple[tuple[str, int, float, float], ...] = ()
     fit: dict[str, Any] = field(default_factory=dict, compare=False)  # how the last refit went
+
+    def mode_correction(self, mode: str) -> tuple[int, float, float]:
+        """(steps, mean log ratio, mean squared log ratio) of `mode`; (0, 0, 0) when it never ran."""
+        return next(((n, m, q) for name, n, m, q in self.mode_corrections if name == mode), (0, 0.0, 0.0))
+
+    def mode_adjustment(self, mode: str) -> tuple[float, float]:
+        """(factor, error): what the model's step time in `mode` is multiplied by, and the relative
+        error left on the result (a standard deviation in log terms).
+
+        The model's error in a mode is taken as normal with sd MODEL_ERROR before anything ran in it;
+        each step that ran measures it with the steps' own spread (the mean squared residual less the
+        squared mean, at least STEP_NOISE_MIN): the factor is the posterior mean, shrunk toward 1 as
+        few or noisy steps warrant, and the error the posterior sd. A mode that never ran keeps
+        (1, MODEL_ERROR)."""
+        n, m, q = self.mode_correction(mode)
+        if n == 0:
+            return 1.0, MODEL_ERROR
+        noise = max(q - m * m, STEP_NOISE_MIN**2) if n > 1 else STEP_NOISE_PRIOR**2
+        prior = MODEL_ERROR**2
+        weight = n * prior / (n * prior + noise)
+        return math.exp(weight * m), math.sqrt(prior * noise / (n * prior + noise))
 
     @cached_property
     def sample(self) -> TrajectorySample:
@@ -354,6 +416,8 @@ def engine_from_perf(perf: PerfModel) -> EngineProfile:
     t_p0 = perf.prefill_seconds_per_token(PREFILL_CHUNK_TOKENS, 0.0)
     t_pc = (perf.prefill_seconds_per_token(PREFILL_CHUNK_TOKENS, ctx_ref) - t_p0) / ctx_ref
     setup = perf.kv_transfer_time(0)
+    decode_only = perf.for_role(Role.DECODE).decode_step_time(8, ctx_ref) / perf.decode_step_time(8, ctx_ref)
+    prefill_only = perf.for_role(Role.PREFILL).prefill_seconds_per_token(PREFILL_CHUNK_TOKENS, 0.0) / t_p0
     return EngineProfile(
         decode_batches=DECODE_BATCHES,
         decode_base_s=base,
@@ -365,6 +429,8 @@ def engine_from_perf(perf: PerfModel) -> EngineProfile:
         kv_setup_s=setup,
         kv_capacity_tokens=perf.kv_capacity_tokens,
         turn_prefix_reuse=perfmodel.TURN_PREFIX_REUSE,  # read now: the engine's value, whatever it is set to
+        decode_only_scale=decode_only,
+        prefill_only_scale=prefill_only,
     )
 
 
@@ -385,7 +451,9 @@ def pools_from_workload(workload: Workload, n: int = POOL_SIZE) -> WorkloadPools
     )
 
 
-def profile_from_workload(workload: Workload, perf: PerfModel, *, device: str = "catalog") -> Profile:
+def profile_from_workload(
+    workload: Workload, perf: PerfModel, *, device: str = "catalog", rollout: Rollout | None = None
+) -> Profile:
     """The prior: the workload block of a scenario or inventory plus the catalog performance model.
 
     f is not measured yet: it starts at the share of a turn spent decoding at B/8 sequences per
@@ -407,6 +475,7 @@ def profile_from_workload(workload: Workload, perf: PerfModel, *, device: str = 
         workload=pools,
         decode_fraction=min(1.0, max(f, 1e-3)),
         group_size=workload.group_size,
+        rollout=rollout or Rollout(),
     )
 
 
@@ -444,10 +513,23 @@ def _check(p: Profile) -> None:
         "engine.kv_bytes_per_token": e.kv_bytes_per_token,
         "engine.kv_setup_s": e.kv_setup_s,
         "t_over_s": p.t_over_s,
+        "rollout.update_gap_s": p.rollout.update_gap_s,
+        "rollout.update_pause_s": p.rollout.update_pause_s,
     }
     for name, v in numbers.items():
         if not math.isfinite(v) or v < 0:
             raise BadInput(f"profile: {name} must be a finite number >= 0 ({v})")
+    for name in ("decode_only_scale", "prefill_only_scale"):
+        v = getattr(e, name)
+        if not math.isfinite(v) or v <= 0:
+            raise BadInput(f"profile: engine.{name} must be a finite number > 0 ({v})")
+    if p.rollout.batching not in ("sync", "async"):
+        raise BadInput(f"profile: rollout.batching must be 'sync' or 'async' ({p.rollout.batching!r})")
+    for mode, n, m, q in p.mode_corrections:
+        if mode not in ("colocated", "split") or n < 1 or not math.isfinite(m) or not math.isfinite(q) or q < 0:
+            raise BadInput(f"profile: mode_corrections: bad entry for {mode!r} (steps {n}, mean {m}, square {q})")
+    if p.rollout.trajectories_per_slot < 1 or p.rollout.staleness < 0:
+        raise BadInput("profile: rollout.trajectories_per_slot must be >= 1 and rollout.staleness >= 0")
     if not 0 <= e.turn_prefix_reuse <= 1:
         raise BadInput(f"profile: engine.turn_prefix_reuse must be in [0, 1] ({e.turn_prefix_reuse})")
     if not e.kv_bandwidth_bps > 0:

@@ -34,7 +34,7 @@ from pearl.controlplane.core.predictor import (
     prepare,
 )
 from pearl.controlplane.core.profile import Profile
-from pearl.controlplane.core.switching import DEFAULT_COSTS, SwitchCosts, SwitchDecision, decide_switch
+from pearl.controlplane.core.switching import DEFAULT_COSTS, SwitchCosts, SwitchDecision, decide_switch, margin
 from pearl.controlplane.errors import BadInput
 
 REFINE = 16  # candidates re-timed with the time-aware tail model (the best of the round model)
@@ -174,7 +174,8 @@ def select(
     contenders = [best] + [c for c in feasible if c.config.mode is reference.mode and c.config != reference][:1]
     decisions = [
         (c, decide_switch(reference, ref.predicted_s, c.config, c.predicted_s, costs, horizon_s=horizon_s,
-                          refill_s=_refill_s(profile, c.config, remaining_fraction)))
+                          refill_s=_refill_s(profile, c.config, remaining_fraction),
+                          margin=_margin(profile, reference, c.config)))
         for c in contenders
     ]  # fmt: skip
     passing = [(c, d) for c, d in decisions if d.switch]
@@ -182,6 +183,12 @@ def select(
         c, d = max(passing, key=lambda cd: cd[1].gain_s - cd[1].threshold_s)
         return outcome(c.config, forced, prefix + d.reason, d)
     return outcome(reference, forced, prefix + decisions[0][1].reason, decisions[0][1])
+
+
+def _margin(profile: Profile, current: Config, candidate: Config) -> float:
+    """The switching margin from the predictions' measured errors (`switching.margin`)."""
+    errors = [profile.mode_adjustment(c.mode.value)[1] for c in (current, candidate)]
+    return margin(*errors, same_mode=current.mode is candidate.mode)
 
 
 def _continuation(current: Config, n: int) -> Config:

@@ -18,12 +18,14 @@ Switching stalls the rollout for
         trajectories, release, cold start, load weights, admit as one group) and the router's
         front door changes, so nothing serves for cold_start_s + weight_sync_s + admit_s; the
         live trajectories then re-prefill their whole context on the new fleet (`refill_s`).
-Switch iff gain > cost + NOISE_MARGIN * W. The margin keeps the fleet still when two predictions
-differ by less than the predictor can tell apart: two configurations timed on the same sample differ
-with ~0.3% noise, but the model's error against the simulator is a few percent and not the same
-for every shape (1-6% measured on the paper's ablation settings). Since a mode change costs a
-whole-fleet cold start and a ratio change a few in-place flips, the mode-switch threshold is always
-the larger one. A forced switch (nothing
+Switch iff gain > cost + margin * W. The margin keeps the fleet still when two predictions differ by
+less than the predictor can tell apart, and comes from the prediction's measured error
+(`margin`): one standard deviation of the difference of the two predictions. Across modes the two
+errors are independent, each the mode's error after what ran in it (`Profile.mode_adjustment`:
+MODEL_ERROR for a mode that never ran, less as the steps of a mode measure its correction); within a
+mode the correction is shared and only the model's error from one ratio to another is left
+(RATIO_ERROR). Since a mode change also costs a whole-fleet cold start and a ratio change a few
+in-place flips, the mode-switch threshold is always the larger one. A forced switch (nothing
 running, the current shape infeasible, or the budget no longer has its worker count) is never
 blocked: the selector only applies this between feasible candidates of the new budget.
 """
@@ -38,7 +40,10 @@ from typing import Any
 from pearl.controlplane.core.predictor import Config
 from pearl.controlplane.errors import BadInput
 
-NOISE_MARGIN = 0.02  # relative gains below this are within the predictor's noise
+NOISE_MARGIN = 0.02  # the margin when the caller knows nothing of the prediction's error
+# The model's error from one P:D ratio to another of the same mode, once the mode's own correction is
+# shared (the spread of log(predicted / simulated) among the splits within 5% of the best, Table 2)
+RATIO_ERROR = 0.01
 COST_EMA = 0.3  # weight of a newly observed duration in the measured costs
 # measured plan-step durations (by action) -> the cost they measure
 STEP_COSTS = {
@@ -138,24 +143,34 @@ def decide_switch(
     *,
     horizon_s: float = 0.0,
     refill_s: float = 0.0,
+    margin: float = NOISE_MARGIN,
 ) -> SwitchDecision:
-    """Switch iff (1 - T_new/T_cur) * W > cost + NOISE_MARGIN * W, W = current_s + horizon_s.
+    """Switch iff (1 - T_new/T_cur) * W > cost + margin * W, W = current_s + horizon_s.
 
-    `current_s` and `candidate_s` are the predicted remaining makespans of this step.
+    `current_s` and `candidate_s` are the predicted remaining makespans of this step; `margin` the
+    relative error of their difference (`margin`).
     """
-    if not all(math.isfinite(x) and x >= 0 for x in (current_s, candidate_s, horizon_s, refill_s)):
-        raise BadInput("switching: predicted seconds, horizon_s and refill_s must be finite numbers >= 0")
+    if not all(math.isfinite(x) and x >= 0 for x in (current_s, candidate_s, horizon_s, refill_s, margin)):
+        raise BadInput("switching: predicted seconds, horizon_s, refill_s and margin must be finite numbers >= 0")
     work = current_s + horizon_s
     cost = switch_cost_s(current, candidate, costs, refill_s)
     gain = (1 - candidate_s / current_s) * work if current_s > 0 else 0.0
-    threshold = cost + NOISE_MARGIN * work
+    threshold = cost + margin * work
     kind = "mode switch" if current.mode is not candidate.mode else "ratio change"
     verdict = "switch" if gain > threshold else "keep"
     reason = (
         f"{verdict}: {candidate} saves {gain:.1f} s over {work:.0f} s of rollout; "
-        f"{kind} threshold {threshold:.1f} s (cost {cost:.1f} s + {NOISE_MARGIN:.0%} margin)"
+        f"{kind} threshold {threshold:.1f} s (cost {cost:.1f} s + {margin:.1%} margin)"
     )
     return SwitchDecision(gain > threshold, gain, cost, threshold, work, reason)
+
+
+def margin(current_error: float, candidate_error: float, same_mode: bool) -> float:
+    """One standard deviation of the relative difference of two predictions (module docstring):
+    `*_error` are the modes' errors (`Profile.mode_adjustment`)."""
+    if same_mode:
+        return math.sqrt(2) * RATIO_ERROR
+    return math.sqrt(current_error**2 + candidate_error**2)
 
 
 DEFAULT_COSTS = SwitchCosts.from_reconfig(DEFAULT_RECONFIG, DEFAULT_RECONFIG.weight_sync_s)

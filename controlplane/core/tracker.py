@@ -17,9 +17,15 @@ step replaces the prior, later steps average, then an exponential window of ~1/a
 - the engine, when `iterations` are reported: per batch bin, the median ratio of measured to
   predicted decode iteration time scales the decode curve; the median ratio for prefill tokens
   scales t_p (geometric EMA of the ratios, so one odd step cannot swing it);
-- T_over, when the step's makespan and configuration are known: the per-turn residual between
-  the observed makespan and the prediction (T_over = 0) for that very batch of trajectories, an
-  EMA kept signed (`overhead_residual_s`) so that noise averages out; T_over is its positive part.
+- T_over, when the step's makespan and configuration are known (per-batch barrier): the per-turn
+  residual between the observed makespan and the prediction (T_over = 0) for that very batch of
+  trajectories, an EMA kept signed (`overhead_residual_s`) so that noise averages out; T_over is
+  its positive part;
+- the mode's correction, when the step's makespan and configuration are known (asynchronous
+  batches): log(observed / predicted) for that batch's trajectories, its mean and mean square as
+  EMAs per mode (`Profile.mode_corrections`); the predictor multiplies the model's step times in a
+  mode that ran by the shrunk correction (`Profile.mode_adjustment`), a mode that never ran keeps
+  the model alone.
 """
 
 from __future__ import annotations
@@ -89,7 +95,21 @@ def fit_profile(
         fit={},
     )
     fit: dict[str, Any] = {"step": telemetry.step, "alpha": alpha, "trajectories": len(trajectories), **engine_fit}
-    if makespan_s is not None and config is not None:
+    if makespan_s is not None and config is not None and prior.rollout.is_async:
+        # asynchronous batches: the step is the interval between batches, whose spread no per-turn
+        # term explains; the measured over predicted ratio for this batch's trajectories is folded
+        # into the mode's correction instead (Profile.mode_adjustment)
+        batch = trajectory_sample(trajectories)
+        base = predict_batch(replace(fitted, t_over_s=0.0, mode_corrections=()), config, batch)
+        observed = math.log(makespan_s / base.makespan_s)
+        mode = config.mode.value
+        n, m, q = prior.mode_correction(mode)
+        a = max(alpha_min, 1.0 / (n + 1))
+        entry = (mode, n + 1, (1 - a) * m + a * observed, (1 - a) * q + a * observed**2)
+        corrections = tuple(sorted([c for c in prior.mode_corrections if c[0] != mode] + [entry]))
+        fit.update(makespan_s=makespan_s, predicted_s=base.makespan_s, config=config.label, log_ratio=observed)
+        fitted = replace(fitted, mode_corrections=corrections)
+    elif makespan_s is not None and config is not None:
         # Compare with the prediction for this very batch (not the expectation over batches): the
         # residual is then the model's error, not the luck of the draw.
         batch = trajectory_sample(trajectories)

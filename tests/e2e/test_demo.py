@@ -69,13 +69,13 @@ def test_a_short_demo_runs_the_whole_system_and_leaves_nothing_behind(tmp_path: 
             os.killpg(demo.pid, signal.SIGKILL)
     assert demo.returncode == 0, err[-3000:]
     s = json.loads(out)
-    assert s["rollout_steps"] >= 2 and s["training_steps"] == 2 and s["stopped"] is None
+    assert s["rollout_steps"] >= 2 and s["training_steps"] == 2 and s["stopped"] is None, (s, err[-3000:])
     assert s["model_s"] < 3000  # the steps ended the run
     assert s["plans_applied"] > 0 and s["weight_syncs"] > 0
     assert s["failed_requests"] == 0 and s["requests"] > 0
-    assert s["tokens_per_s"] > 0 and s["tokens_per_s_ratio_of_sums"] > 0
-    # the run ended with its last step: the window holds the same tokens over a longer time, the start
-    assert s["tokens_per_s_window"] <= s["tokens_per_s_ratio_of_sums"]
+    # all three metrics are reported (not ordered: the window counts the first step's tokens, which the
+    # per-step metric and the ratio of sums drop with the first step's duration)
+    assert s["tokens_per_s"] > 0 and s["tokens_per_s_ratio_of_sums"] > 0 and s["tokens_per_s_window"] > 0
     assert (tmp_path / "demo.png").stat().st_size > 10_000
     assert _leftovers(home) == []  # agents, workers, servers, routers, the loop and the embedded servers
 

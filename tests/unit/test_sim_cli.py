@@ -261,3 +261,12 @@ def test_a_system_without_rollout_gpus_says_so(cli):
     assert res.exit_code == 0 and json.loads(res.stdout)["tokens_per_s"] == 0
     assert "warning: roll: 0 tokens/s: cluster.reserved_rollout_gpus is 0, so it has no rollout GPU of its own" \
         in res.stderr
+
+
+def test_a_worker_ended_by_the_abort_of_a_weight_update_is_not_paused(cli):
+    """At a weight update that aborts (ROLL's), the abort can empty a draining worker, which then ends:
+    the update pauses the workers that still have an engine and goes on (this setting ends one)."""
+    res = cli("sim", "run", "--scenario", "paper-qwen3-8b-seg1", "--policy", "pearl-ungated", *TINY, "--json")
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.stdout)
+    assert data["training_steps"] >= 1 and data["reconfigurations"] > 0
