@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -41,7 +42,7 @@ from pearl.agents.fleet import LocalFleet, Proc
 from pearl.agents.trainer import TrainerEmulator, TrainerStats, summary
 from pearl.controlplane.api import ControlPlane
 from pearl.controlplane.core.domain import NodeZone
-from pearl.controlplane.core.inventory import Inventory, InventoryNode
+from pearl.controlplane.core.inventory import Inventory, InventoryNode, RolloutLoop
 from pearl.controlplane.errors import PearlError
 from pearl.controlplane.services import embedded
 from pearl.controlplane.services.settings import Settings, get_settings, redact_url
@@ -99,7 +100,9 @@ def inventory_for(sc: Scenario, speed: float) -> Inventory:
     gpus = {NodeZone.TRAINING: sc.cluster.training_gpus, NodeZone.ROLLOUT: sc.cluster.reserved_rollout_gpus,
             NodeZone.PREEMPTIBLE: sc.max_preemptible_gpus - sc.max_preemptible_gpus % sc.tp}
     nodes = tuple(InventoryNode(name=NODES[z], zone=z, gpus=n, address="127.0.0.1") for z, n in gpus.items() if n)
-    return Inventory(model=sc.model, gpu=sc.gpu, tp=sc.tp, nodes=nodes, workload=sc.workload, time_scale=speed)
+    loop = RolloutLoop(**dataclasses.asdict(sc.training.rollout()))
+    return Inventory(model=sc.model, gpu=sc.gpu, tp=sc.tp, nodes=nodes, workload=sc.workload, rollout=loop,
+                     time_scale=speed)
 
 
 class Demo:

@@ -9,11 +9,12 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pearl.controlplane.core.catalog import default_catalog
 from pearl.controlplane.core.domain import NodeZone
+from pearl.controlplane.core.profile import Rollout
 from pearl.controlplane.core.validation import format_validation
 from pearl.controlplane.core.workload import Workload
 from pearl.controlplane.errors import BadInput
@@ -38,12 +39,27 @@ class InventoryNode(_Strict):
     address: str = Field(min_length=1)  # need not be unique: several nodes may share a host
 
 
+class RolloutLoop(_Strict):
+    """How the RL framework forms its batches (the predictor's `profile.Rollout`; docs/formats.md)."""
+
+    batching: Literal["async", "sync"] = "sync"
+    trajectories_per_slot: int = Field(default=1, ge=1)
+    staleness: int = Field(default=1, ge=0)
+    update_gap_s: float = Field(default=0.0, ge=0)  # training step + weight update
+    update_pause_s: float = Field(default=0.0, ge=0)  # the servers' pause at a weight update
+    abort_on_update: bool = False  # in-flight turns are aborted at a weight update (ROLL's)
+
+    def rollout(self) -> Rollout:
+        return Rollout(**self.model_dump())
+
+
 class Inventory(_Strict):
     model: str  # catalog name
     gpu: str  # catalog name
     tp: int = Field(gt=0, le=MAX_TP)  # GPUs per worker
     nodes: tuple[InventoryNode, ...] = Field(min_length=1, max_length=MAX_NODES)
     workload: Workload | None = None  # the prior until telemetry arrives
+    rollout: RolloutLoop | None = None  # the RL loop's batching; None: a per-batch barrier
     # Simulated servers running this many times faster than the wall clock (`pearlctl demo`): every
     # duration pearl measures is multiplied by it before the policy sees it, so that measured costs
     # and the model's makespans are in the same seconds. None: real servers, 1.

@@ -42,7 +42,8 @@ from pearl.controlplane.errors import BadInput
 
 NOISE_MARGIN = 0.02  # the margin when the caller knows nothing of the prediction's error
 # The model's error from one P:D ratio to another of the same mode, once the mode's own correction is
-# shared (the spread of log(predicted / simulated) among the splits within 5% of the best, Table 2)
+# shared: the spread (sd) of log(predicted / simulated) among the splits within 5% of the best in each
+# Table 2 setting (bench/table2.py: 0.8-1.3%, about 1%)
 RATIO_ERROR = 0.01
 COST_EMA = 0.3  # weight of a newly observed duration in the measured costs
 # measured plan-step durations (by action) -> the cost they measure

@@ -41,6 +41,7 @@ from pearl.controlplane.core.profile import (
     Profile,
     ProfileKey,
     Provenance,
+    Rollout,
     WorkloadPools,
     engine_from_perf,
     pool_levels,
@@ -217,15 +218,15 @@ def stored(row: ProfileRow) -> StoredProfile:
     return StoredProfile(profile, row.id, row.created_at)
 
 
-def catalog_prior(key: ProfileKey, workload: Workload) -> Profile:
+def catalog_prior(key: ProfileKey, workload: Workload, rollout: Rollout | None = None) -> Profile:
     """The workload prior with the catalog performance model as an engine under agentic rollout
     delivers it (keyed device "catalog"; the simulator's prior too)."""
     def build() -> Profile:
         catalog = default_catalog()
         perf = PerfModel(catalog.model(key.model), catalog.gpu(key.gpu), key.tp, AGENTIC_LOAD)
-        return profile_from_workload(workload, perf)
+        return profile_from_workload(workload, perf, rollout=rollout)
 
-    return _built(json.dumps([repr(key), workload.model_dump(mode="json")], sort_keys=True), build)
+    return _built(json.dumps([repr(key), workload.model_dump(mode="json"), repr(rollout)], sort_keys=True), build)
 
 
 def telemetry_prior(key: ProfileKey, step: StepTelemetry) -> Profile:
@@ -266,7 +267,8 @@ def telemetry_prior(key: ProfileKey, step: StepTelemetry) -> Profile:
 
 
 def load_profile(
-    session: Session, key: ProfileKey, workload: Workload | None, *, first_step: StepTelemetry | None = None
+    session: Session, key: ProfileKey, workload: Workload | None, *, first_step: StepTelemetry | None = None,
+    rollout: Rollout | None = None,
 ) -> StoredProfile:
     """What to plan with for `key` (module docstring): fitted (on a newer measured engine when there
     is one), else measured engine over the workload prior, else the catalog prior. Without a workload
@@ -280,9 +282,9 @@ def load_profile(
         rebased = replace(current.profile, engine=measured_engine(measured))
         return StoredProfile(rebased, fitted.id, fitted.created_at, measured_id=measured.id)
     if workload is not None:
-        prior = catalog_prior(key, workload)
+        prior = catalog_prior(key, workload, rollout)
     elif first_step is not None:
-        prior = telemetry_prior(key, first_step)
+        prior = replace(telemetry_prior(key, first_step), rollout=rollout or Rollout())
     else:
         raise NoWorkload(
             f"workload: the inventory has no `workload` block and no telemetry has been fitted for "

@@ -84,7 +84,8 @@ def ingest_in(session: Session, telemetry: StepTelemetry, *, makespan_s: float |
         return _already(session, existing, telemetry)
     inventory = fleet_inventory(session)
     key = fleet_key(inventory)
-    current = load_profile(session, key, inventory.workload, first_step=telemetry)
+    current = load_profile(session, key, inventory.workload, first_step=telemetry,
+                           rollout=inventory.rollout.rollout() if inventory.rollout else None)
     row = Telemetry(step=telemetry.step, body=telemetry.model_dump(mode="json"))
     session.add(row)
     session.flush()

@@ -336,7 +336,8 @@ def _load_memory(session: Session, policy: PearlPolicy, profile: StoredProfile) 
 def decide(session: Session, *, event: str = "plan") -> Planned:
     """Read everything and decide; writes nothing (the caller's transaction should be REPEATABLE READ)."""
     inventory: Inventory = fleet_inventory(session)
-    stored = load_profile(session, fleet_key(inventory), inventory.workload)
+    stored = load_profile(session, fleet_key(inventory), inventory.workload,
+                          rollout=inventory.rollout.rollout() if inventory.rollout else None)
     snapshot = load_snapshot(session)
     batch = inventory.workload.batch_size if inventory.workload is not None else stored.profile.batch_size
     signals = live_signals(session, snapshot, batch, event, inventory.time_scale or 1.0)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from pearl.controlplane.core.profile import EngineProfile, ProfileKey, Provenance
+from pearl.controlplane.core.profile import EngineProfile, ProfileKey, Provenance, Rollout
 from pearl.controlplane.core.workload import Workload
 from pearl.controlplane.errors import BadInput
 from pearl.controlplane.store import profile_store
@@ -33,6 +33,15 @@ def test_without_rows_the_fleet_plans_with_the_catalog_prior(db_session: Session
     assert loaded.profile.key == ProfileKey("qwen3-8b", "h800", 2, "catalog")
     assert loaded.profile.batch_size == 64 and loaded.profile.max_context_tokens == 32768
     assert "catalog profile (qwen3-8b, h800, tp 2, catalog; computed)" == loaded.describe()
+
+
+def test_the_inventorys_loop_reaches_the_prior(db_session: Session) -> None:
+    """An inventory's `rollout` block: the fleet plans with asynchronous batches from the start."""
+    loop = Rollout(batching="async", trajectories_per_slot=2, update_gap_s=93.0, update_pause_s=2.0,
+                   abort_on_update=True)
+    loaded = profile_store.load_profile(db_session, FLEET, WORKLOAD, rollout=loop)
+    assert loaded.profile.rollout == loop
+    assert profile_store.load_profile(db_session, FLEET, WORKLOAD).profile.rollout == Rollout()
 
 
 def test_without_a_workload_block_or_telemetry_there_is_nothing_to_plan_with(db_session: Session) -> None:

@@ -46,6 +46,21 @@ def test_workload_block_is_the_scenario_workload() -> None:
         parse_inventory({**BASE, "workload": {**workload, "turns": {"dist": "constant", "value": -1}}})
 
 
+def test_rollout_block_is_the_predictors_loop() -> None:
+    """The RL loop's batching, as the predictor sees it; a bad key is refused naming it."""
+    loop = {"batching": "async", "trajectories_per_slot": 2, "update_gap_s": 93, "update_pause_s": 2,
+            "abort_on_update": True}
+    rollout = parse_inventory({**BASE, "rollout": loop}).rollout.rollout()
+    assert rollout.is_async and rollout.slots(64) == 32 and rollout.update_gap_s == 93 and rollout.staleness == 1
+    assert parse_inventory(BASE).rollout is None
+    with pytest.raises(BadInput, match=r"rollout\.batching"):
+        parse_inventory({**BASE, "rollout": {**loop, "batching": "whenever"}})
+    with pytest.raises(BadInput, match=r"rollout\.trajectories_per_slot"):
+        parse_inventory({**BASE, "rollout": {**loop, "trajectories_per_slot": 0}})
+    with pytest.raises(BadInput, match=r"rollout\.slots"):
+        parse_inventory({**BASE, "rollout": {**loop, "slots": 3}})
+
+
 @pytest.mark.parametrize(("raw", "message"), [
     ([1, 2], "an inventory is a mapping"),
     ({**BASE, "nodes": []}, "nodes: needs at least 1 entry, got 0"),
