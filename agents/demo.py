@@ -193,7 +193,6 @@ class Demo:
             for node in nodes:
                 fleet.start_agent(node, speed=self.cfg.speed, sim_args=sim_args)
                 fleet.start_worker(node)
-            fleet.start_loop(self.cfg.loop_interval_s, lease_s=max(5.0, 5 * self.cfg.loop_interval_s))
             if self.cfg.simulate and self.cfg.steps is None:  # the simulator's window is the duration
                 sim = self._simulate(duration)
             self._wait_ready(engine, len(nodes))
@@ -203,7 +202,11 @@ class Demo:
                                            snapshot_dir=self.run_dir / "snapshots", preemptible_node=spot,
                                            write_snapshot=write_demo_snapshot, steps=self.cfg.steps)
             if self._stop_reason is None:
+                # the simulator decides its first fleet with the trace's t=0 GPUs in place: so does the
+                # loop, started once they are granted
                 self.trainer.grant_initial()
+            fleet.start_loop(self.cfg.loop_interval_s, lease_s=max(5.0, 5 * self.cfg.loop_interval_s))
+            if self._stop_reason is None:
                 self._warm_up(engine)  # the simulator starts with its first fleet in place: so does the run
             if self._stop_reason is None:
                 died = asyncio.run(self._supervise(engine))

@@ -63,7 +63,9 @@ def orchestrate(snapshot: FleetSnapshot, target: Target) -> Plan:
     members = set(target.members)
     add = members - current
     remove = current - members
-    roles = _resolve(target, [slots[i] for i in sorted(members & current)], sorted(add))
+    # added workers in order of how long they can stay: dedicated slots before borrowed (overlap) ones
+    added = sorted(add, key=lambda i: (slots[i].zone is WorkerZone.OVERLAP, i))
+    roles = _resolve(target, [slots[i] for i in sorted(members & current)], added)
     reassign = {i: roles[i] for i in sorted(members & current) if roles[i] is not slots[i].role}
     steps = _expand(snapshot, target, slots, add, remove, reassign, roles)
     return Plan(
@@ -153,9 +155,11 @@ def _resolve(target: Target, survivors: list[WorkerSlot], added: list[int]) -> d
         else:
             movers.append(w.id)
     # Reassigned survivors take places before added workers: a prefill->decode flip in place is
-    # cheaper than anything else, and the order is otherwise arbitrary for D.
+    # cheaper than anything else. Each role still to fill takes one place before any takes a second,
+    # so that the first (dedicated) added workers hold one of each: when the borrowed ones go back, a
+    # split keeps a prefill and a decode worker instead of losing its only one of a kind.
     pending = movers + [i for i in added if i not in roles]
-    places = [r for r in _ROLE_ORDER for _ in range(free[r])]
+    places = [r for r in _ROLE_ORDER if free[r] > 0] + [r for r in _ROLE_ORDER for _ in range(free[r] - 1)]
     for wid, role in zip(pending, places, strict=True):
         roles[wid] = role
     return dict(sorted(roles.items()))

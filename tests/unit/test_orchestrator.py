@@ -154,6 +154,18 @@ def test_survivors_keep_roles_up_to_the_count_lowest_ids_first():
     assert plan.reassign == {2: P}
 
 
+def test_a_split_started_over_borrowed_workers_keeps_one_of_each_role_on_dedicated_ones():
+    """Borrowed (overlap) workers go back at the step's tail: a split started on them and on dedicated
+    workers puts one prefill and one decode on the dedicated ones first, so what stays is still a split."""
+    borrowed = [slot(i, active=False, zone=WorkerZone.OVERLAP) for i in range(4)]
+    snap = fleet(*borrowed, slot(4, active=False), slot(5, active=False))
+    plan = orchestrate(snap, target(range(6), prefill=1, decode=5))
+    assert plan.roles[4] is not plan.roles[5] and {plan.roles[4], plan.roles[5]} == {P, D}
+    assert [plan.roles[i] for i in range(4)] == [D] * 4
+    plan = orchestrate(snap, target(range(6), prefill=4, decode=2))
+    assert {plan.roles[4], plan.roles[5]} == {P, D}
+
+
 def test_pinned_roles_are_honoured_even_at_a_cost():
     snap = fleet(slot(0, P), slot(1, D))
     t = Target(members=frozenset({0, 1}), counts={P: 1, D: 1}, pinned={0: D})
