@@ -326,8 +326,10 @@ def test_on_a_prefill_heavy_workload_a_split_is_predicted_simulated_and_run_by_p
 
 
 # docs/fidelity.md, Table 2: the simulated best split of each setting
+# (at 16 with the training GPUs, 4P12D, 5P11D and 3P13D lie within 0.3% of each other: which one is
+# best follows the workers each role lands on, the orchestrator's choice)
 TABLE2_BEST = {(10, False): "2P3D", (10, True): "3P10D", (12, False): "2P4D", (12, True): "3P11D",
-               (16, False): "2P6D", (16, True): "5P11D"}
+               (16, False): "2P6D", (16, True): "4P12D"}
 
 
 @pytest.fixture(scope="module")
@@ -353,12 +355,12 @@ def test_table2_selected_is_within_one_percent_of_the_empirical_best_in_five_of_
 @pytest.mark.xdist_group("table2")
 def test_table2_as_reported_the_best_splits_the_gaps_and_the_predictors_error(table2):
     """What docs/fidelity.md reports of Table 2: the simulated best split of each setting, the selection
-    at most 1.1% behind it (four of six exactly the best), and the predictor's error per mode under 5%
-    in every setting, 3% on average, well below the paper's formulas."""
+    within 1% of it in all six (five exactly the best), and the predictor's error per mode under 5% in
+    every setting, 3% on average, well below the paper's formulas."""
     assert {key: r.empirical_best.label for key, r in table2.items()} == TABLE2_BEST
     gaps = {key: r.gap for key, r in table2.items()}
-    assert all(gap is not None and gap <= 0.011 for gap in gaps.values()), gaps
-    assert sum(r.selected == r.empirical_best for r in table2.values()) >= 4
+    assert all(gap is not None and gap <= 0.01 for gap in gaps.values()), gaps
+    assert sum(r.selected == r.empirical_best for r in table2.values()) >= 5
     for mode in Mode:
         errors = [r.mape(mode=mode) for r in table2.values()]
         assert max(errors) < 0.05 and sum(errors) / len(errors) < 0.03, (mode, errors)
