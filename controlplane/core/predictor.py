@@ -494,10 +494,7 @@ def _evaluate(wb: Workbook, split: bool, n1: np.ndarray, n2: np.ndarray, remaini
         costs = _round_costs(wb, split, st, wb.alive[:, None], n1[None, :], n2[None, :], f)
         f = costs.f
     e = p.engine
-    coefficients = np.vstack(
-        [costs.per_token, costs.miss * e.prefill_s_per_token * _prefill_scale(e, split),
-         costs.miss * e.prefill_s_per_token_per_ctx * _prefill_scale(e, split), costs.extra]
-    )
+    coefficients = _coefficients(e, split, costs)
     lead_total = wb.lead_matrix[split] @ coefficients + wb.lead_constant[split][:, None]
     makespan = wb.lead_weights @ np.sort(lead_total, axis=0)
     if refine is None:
@@ -538,11 +535,26 @@ def _evaluate(wb: Workbook, split: bool, n1: np.ndarray, n2: np.ndarray, remaini
         "kv_utilisation": np.max(costs.diagnostics["kv_utilisation"], axis=0),
     }
     reasons = _feasibility(wb, split, n1, n2, costs, makespan, diagnostics)
-    refined = np.zeros(len(n1), dtype=bool)
-    refined[chosen] = True
     remaining = makespan - _elapsed(wb, split, st, costs, remaining_fraction)
     if remaining_fraction < 1 and len(chosen):
         remaining[chosen] = remaining_chosen
+    return _evaluation(remaining, reasons, chosen, components, diagnostics)
+
+
+def _coefficients(e: EngineProfile, split: bool, costs: _Costs) -> np.ndarray:
+    """Per-round coefficients of the sample's matrices [G | CB | CB^2/2 | I]: seconds per generated
+    token, the prefill of the reusable context on a miss (per token, per token and cached token), and
+    the per-turn extra."""
+    scale = _prefill_scale(e, split)
+    return np.vstack([costs.per_token, costs.miss * e.prefill_s_per_token * scale,
+                      costs.miss * e.prefill_s_per_token_per_ctx * scale, costs.extra])
+
+
+def _evaluation(remaining: np.ndarray, reasons: list[str], chosen: np.ndarray, components: dict[str, np.ndarray],
+                diagnostics: dict[str, np.ndarray]) -> Evaluation:
+    """The Evaluation of C configurations; `chosen` those timed in full (the others by a cheaper pass)."""
+    refined = np.zeros(len(reasons), dtype=bool)
+    refined[chosen] = True
     return Evaluation(
         makespan_s=np.maximum(remaining, 0.0),
         feasible=np.array([not r for r in reasons]),
@@ -648,9 +660,7 @@ def _evaluate_async(wb: Workbook, split: bool, n1: np.ndarray, n2: np.ndarray, r
         for _ in range(FIXED_POINT_ITERATIONS):
             costs = _round_costs(wb, split, st, alive, n1[None, :], n2[None, :], f, mix)
             f = costs.f
-        scale = _prefill_scale(e, split)
-        coefficients = np.vstack([costs.per_token, costs.miss * e.prefill_s_per_token * scale,
-                                  costs.miss * e.prefill_s_per_token_per_ctx * scale, costs.extra])
+        coefficients = _coefficients(e, split, costs)
         mean_s = mean_row[split] @ coefficients + wb.rows_constant[split].mean()  # (C,) mean trajectory
         if refine is not None:
             best = np.argsort(mean_s, kind="stable")[:refine]
@@ -693,16 +703,7 @@ def _evaluate_async(wb: Workbook, split: bool, n1: np.ndarray, n2: np.ndarray, r
         "mean_trajectory_s": mean_s,
     }
     reasons = _feasibility(wb, split, n1, n2, costs, interval, diagnostics, alive=load)
-    refined = np.zeros(c_n, dtype=bool)
-    refined[chosen] = True
-    return Evaluation(
-        makespan_s=np.maximum(remaining, 0.0),
-        feasible=np.array([not r for r in reasons]),
-        reasons=reasons,
-        refined=refined,
-        components=components,
-        diagnostics=diagnostics,
-    )
+    return _evaluation(remaining, reasons, chosen, components, diagnostics)
 
 
 def _boundary(wb: Workbook, remaining_fraction: float) -> tuple[int, float]:
