@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
+import psycopg
 import pytest
 from pearl.agents.drivers.process import every_process
 from plan_support import PEARLCTL, REPO
@@ -78,6 +79,22 @@ def test_a_short_demo_runs_the_whole_system_and_leaves_nothing_behind(tmp_path: 
     assert s["tokens_per_s"] > 0 and s["tokens_per_s_ratio_of_sums"] > 0 and s["tokens_per_s_window"] > 0
     assert (tmp_path / "demo.png").stat().st_size > 10_000
     assert _leftovers(home) == []  # agents, workers, servers, routers, the loop and the embedded servers
+    # as the simulator decides its first fleet with the trace's t=0 GPUs in place, the loop's first
+    # decision comes after they were granted (read from the rows the demo left behind)
+    first_grant, first_decision = _first_grant_and_decision(home, s["database"])
+    assert first_grant is not None and first_decision is not None and first_grant < first_decision
+
+
+def _first_grant_and_decision(home: Path, database: str) -> tuple:
+    subprocess.run([str(PEARLCTL), "db", "start"], env=_env(home), check=True, capture_output=True, timeout=120)
+    try:
+        with psycopg.connect(database) as conn:
+            return conn.execute(
+                "SELECT (SELECT min(at) FROM events WHERE entity = 'gpus' AND op = 'update'"
+                "        AND old->>'state' = 'unavailable' AND new->>'state' = 'free'),"
+                "       (SELECT min(created_at) FROM decisions)").fetchone()
+    finally:
+        subprocess.run([str(PEARLCTL), "db", "stop"], env=_env(home), check=True, capture_output=True, timeout=120)
 
 
 @pytest.mark.slow
