@@ -20,6 +20,7 @@ that the control plane needs: a SIGKILL loses only in-flight requests, which the
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import math
 import signal
@@ -34,6 +35,7 @@ from aiohttp import web
 from pearl.controlplane.core.catalog import default_catalog
 from pearl.controlplane.core.domain import Role
 from pearl.controlplane.core.perfmodel import AGENTIC_LOAD, PerfModel
+from pearl.controlplane.weights.broadcast import DEFAULT_GROUP, LOAD_FORMAT
 from pearl.controlplane.weights.files import SnapshotError, load_snapshot, manifest_digest
 
 from .drivers.base import FENCE_HEADER
@@ -86,7 +88,8 @@ class SimState:
     stopping: bool = False
     ready_at: float = 0.0  # simulated time (of its engine's clock) it finishes starting
     weights_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    weights_checksum: str | None = None  # manifest_digest of the snapshot loaded (None: the initial weights)
+    weights_checksum: str | None = None  # manifest_digest of `tensors` (None: the initial weights)
+    tensors: dict[str, str] = field(default_factory=dict)  # the weights' tensors: name -> sha256
     weight_loads: int = 0  # snapshots (or broadcasts) taken since the start
     groups: dict[str, Any] = field(default_factory=dict)  # weight-update groups joined (name -> process group)
 
@@ -122,6 +125,21 @@ async def _body(request: web.Request, required: bool = True) -> dict[str, Any]:
         raise web.HTTPBadRequest(text=json.dumps({"message": "body must be a JSON object"}),
                                  content_type="application/json")
     return body
+
+
+def _unprocessable(message: str, field_name: str | None = None) -> web.Response:
+    """FastAPI's answer to a body that does not validate against the request type: 422, `detail`."""
+    loc = ["body", field_name] if field_name else ["body"]
+    return web.json_response({"detail": [{"type": "missing" if field_name else "value_error", "loc": loc,
+                                          "msg": message}]}, status=422)
+
+
+def _missing(body: dict[str, Any], *required: str) -> web.Response | None:
+    """422 naming the first required field of SGLang's request type that the body lacks."""
+    for name in required:
+        if name not in body:
+            return _unprocessable("Field required", name)
+    return None
 
 
 def _fenced(state: SimState, request: web.Request) -> web.Response | None:
@@ -366,7 +384,8 @@ def build_app(state: SimState) -> web.Application:
             rt.pause(rt.now() + cfg.weight_load_s)
             await rt.sleep_sim(cfg.weight_load_s)
             state.model_path = path
-            state.weights_checksum = manifest_digest(snap.manifest()) if snap.info else None
+            state.tensors = {n: t.sha256 for n, t in snap.info.items()}
+            state.weights_checksum = manifest_digest(state.tensors) if snap.info else None
             state.weight_loads += 1
             if body.get("weight_version") is not None:
                 state.weight_version = str(body["weight_version"])
@@ -381,53 +400,78 @@ def build_app(state: SimState) -> web.Application:
         if (refused := _fenced(state, request)) is not None:
             return refused
         body = await _body(request)
+        if (missing := _missing(body, "master_address", "master_port", "rank_offset", "world_size")) is not None:
+            return missing
         try:
-            name = str(body.get("group_name") or "default")
+            name = str(body.get("group_name", DEFAULT_GROUP))
             host, port = str(body["master_address"]), int(body["master_port"])
-            rank, world = int(body["rank_offset"]), int(body["world_size"])
-        except (KeyError, TypeError, ValueError) as exc:
-            return web.json_response({"success": False, "message": f"bad group: {exc}"}, status=400)
+            rank, world = int(body["rank_offset"]), int(body["world_size"])  # tp 1: its one rank is rank_offset
+        except (TypeError, ValueError) as exc:
+            return _unprocessable(f"bad group: {exc}")
+        if not name:
+            return web.json_response({"success": False, "message": "Group name cannot be empty"}, status=400)
         from pearl.controlplane.weights.broadcast import join_group
 
         try:
             state.groups[name] = await asyncio.to_thread(join_group, host, port, rank, world,
-                                                         str(body.get("backend") or "gloo"))
-        except Exception as exc:  # torch's errors (a store that does not answer, a timeout)
-            return web.json_response({"success": False, "message": f"joining {name}: {exc}"}, status=400)
-        return web.json_response({"success": True, "message": f"joined {name} as rank {rank} of {world}"})
+                                                         str(body.get("backend") or "nccl"), 120.0, name)
+        except Exception as exc:  # torch's errors (a store that does not answer, a timeout, no NCCL on a CPU)
+            return web.json_response({"success": False, "message": f"Failed to initialize custom process group: "
+                                                                   f"{exc}."}, status=400)
+        return web.json_response({"success": True, "message": "Succeeded to initialize custom process group."})
 
     @routes.post("/update_weights_from_distributed")
     async def update_distributed(request: web.Request) -> web.Response:
+        """One bucket, as SGLang takes it: names, dtypes and shapes, then the broadcast of the flattened
+        bucket; the tensors replace the ones of those names (the weights are partly new until the
+        last bucket, which carries the version)."""
         if (refused := _fenced(state, request)) is not None:
             return refused
         body = await _body(request)
-        name = str(body.get("group_name") or "default")
-        pg, spec = state.groups.get(name), body.get("layout")
-        if pg is None or not isinstance(spec, dict):
-            return web.json_response({"success": False, "message": f"no weight-update group {name} (or no layout)"},
-                                     status=400)
-        from pearl.controlplane.weights.broadcast import layout_checksum, receive
+        if (missing := _missing(body, "names", "dtypes", "shapes")) is not None:
+            return missing
+        name = str(body.get("group_name", DEFAULT_GROUP))
+        pg = state.groups.get(name)
+        if pg is None:
+            return web.json_response({"success": False, "message": f"Group {name} not in {sorted(state.groups)}. "
+                                      "Please call `init_weights_update_group` first."}, status=400)
+        if body.get("load_format") != LOAD_FORMAT:
+            return web.json_response({"success": False, "message": f"load_format {body.get('load_format')!r}: "
+                                      f"this server receives only {LOAD_FORMAT!r} buckets"}, status=400)
+        from pearl.controlplane.weights.broadcast import receive_bucket
 
         async with state.weights_lock:
+            if body.get("abort_all_requests"):
+                rt.interrupt("Aborted by update_weights_from_distributed")
             try:
-                tensors = await asyncio.to_thread(receive, pg, spec)
-            except SnapshotError as exc:
-                return web.json_response({"success": False, "message": f"Failed to update weights: {exc}; kept "
-                                                                       f"version {state.weight_version}"}, status=400)
+                tensors = await asyncio.to_thread(receive_bucket, pg, list(body["names"]), list(body["dtypes"]),
+                                                  [list(s) for s in body["shapes"]])
+            except (SnapshotError, TypeError, ValueError) as exc:
+                return web.json_response({"success": False, "message": f"Failed to update parameter online: {exc}. "
+                                          f"Kept version {state.weight_version}."}, status=400)
+            digests = await asyncio.to_thread(lambda: {n: hashlib.sha256(d).hexdigest() for n, _, _, d in tensors})
+            state.tensors.update(digests)
+            state.weights_checksum = manifest_digest(state.tensors)
+            message = f"Succeeded to update parameter online ({len(tensors)} tensors)."
             if body.get("weight_version") is not None:
                 state.weight_version = str(body["weight_version"])
-            state.weights_checksum = layout_checksum(spec)
-            state.weight_loads += 1
+                state.weight_loads += 1
+                message += f" Weight version updated to {state.weight_version}."
             if body.get("flush_cache", True) and rt.idle:
                 rt.flush_cache()
-        return web.json_response({"success": True, "message": f"Succeeded to update model weights ({len(tensors)} "
-                                                              "tensors received, checksums verified)."})
+        return web.json_response({"success": True, "message": message})
 
     @routes.post("/destroy_weights_update_group")
     async def destroy_group(request: web.Request) -> web.Response:
         body = await _body(request, required=False)
-        state.groups.pop(str(body.get("group_name") or "default"), None)
-        return web.json_response({"success": True})
+        pg = state.groups.pop(str(body.get("group_name", DEFAULT_GROUP)), None)
+        if pg is None:
+            return web.json_response({"success": False, "message": "The group to be destroyed does not exist."},
+                                     status=400)
+        from pearl.controlplane.weights.broadcast import leave_group
+
+        await asyncio.to_thread(leave_group, pg)
+        return web.json_response({"success": True, "message": "Succeeded to destroy custom process group."})
 
     app = web.Application(client_max_size=256 * 1024 * 1024)
     app.add_routes(routes)
@@ -450,7 +494,8 @@ async def serve(cfg: SimConfig) -> None:
     # A real server's start-up runs from its launch, its own imports included: so does this one's.
     launched_s = max(0.0, time.time() - cfg.launched_at) * cfg.speed if cfg.launched_at is not None else 0.0
     state = SimState(cfg, rt, model_path, cfg.weight_version, cfg.fence, ready_at=cfg.startup_s - launched_s,
-                     weights_checksum=manifest_digest(snap.manifest()) if cfg.model_path else None)
+                     weights_checksum=manifest_digest(snap.manifest()) if cfg.model_path else None,
+                     tensors={n: t.sha256 for n, t in snap.info.items()} if cfg.model_path else {})
     state.unpaused.set()
     runner = web.AppRunner(build_app(state), handle_signals=False, shutdown_timeout=5.0, access_log=None)
     await runner.setup()

@@ -58,6 +58,11 @@ log = logging.getLogger("pearl.trainer")
 VOCAB = 50000
 
 
+def generate_body(ids: list[int], max_new_tokens: int, rid: str) -> dict:
+    """One turn's `/generate` request, as SGLang's `GenerateReqInput` takes it."""
+    return {"input_ids": ids, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 1.0}, "rid": rid}
+
+
 @dataclass
 class TrainerStats:
     """What the emulator did, for the live view and the summary."""
@@ -254,7 +259,7 @@ class TrainerEmulator:
     async def _generate(self, http: aiohttp.ClientSession, ids: list[int], gen: int, rid: str) -> list[int]:
         """One turn through the front door; retried (as a framework would) for up to `retry_s` of wall
         time when the front door does not answer or answers an error, then counted as failed."""
-        body = {"input_ids": ids, "sampling_params": {"max_new_tokens": gen, "temperature": 1.0}, "rid": rid}
+        body = generate_body(ids, gen, rid)
         give_up = time.monotonic() + self.retry_s
         attempt = 0
         while True:

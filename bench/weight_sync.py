@@ -8,7 +8,8 @@ training step's end to every worker on the new version.
      `bench` extra), and their ratio (raw time / pearl time). Both read a
      file just written (the page cache is warm for both).
    - `broadcast`: pearl's bucketed broadcast (`controlplane/weights/broadcast.py`: pack the buckets,
-     gloo broadcast, check every tensor's sha256 on the receiver), beside a raw
+     gloo broadcast of each flattened bucket as SGLang receives it, the simulated server's sha256 of
+     every received tensor), beside a raw
      `torch.distributed.broadcast` of the same tensors one by one (no packing, no checks), to one
      receiving process on this machine, and their ratio (raw time / pearl time).
 2. Latency: the wall time from `training_end` (snapshot checked, registered, syncs queued and sent)
@@ -39,7 +40,7 @@ from db_support import REPO, BenchServer, machine
 
 sys.path.insert(0, str(REPO / "tests"))
 from pearl.controlplane.weights import write_snapshot  # noqa: E402
-from pearl.controlplane.weights.broadcast import join_group, layout, receive, send  # noqa: E402
+from pearl.controlplane.weights.broadcast import join_group, layout, receive_bucket, send_bucket  # noqa: E402
 from pearl.controlplane.weights.files import load_snapshot  # noqa: E402
 
 MB = 1024 * 1024
@@ -84,8 +85,10 @@ def snapshot_load(state: dict[str, Any], nbytes: int, directory: Path, repeat: i
             "pearl_s": round(p, 3), "raw_s": round(r, 3), "ratio_pearl_to_raw": round(r / p, 3)}
 
 
-def _receiver(port: int, nbytes: int, repeat: int, names: list[tuple[str, int]], spec: dict[str, Any],
-              done: Any) -> None:
+def _receiver(port: int, nbytes: int, repeat: int, names: list[tuple[str, int]],
+              spec: list[tuple[list[str], list[str], list[list[int]]]], done: Any) -> None:
+    import hashlib
+
     import torch
     import torch.distributed as dist
 
@@ -93,7 +96,9 @@ def _receiver(port: int, nbytes: int, repeat: int, names: list[tuple[str, int]],
     opts = dist.BroadcastOptions()
     opts.rootRank = 0
     for _ in range(repeat):
-        receive(pg, spec)  # pearl: buckets, then every tensor checked
+        for bucket in spec:  # pearl: bucket by bucket, every tensor's sha256 (as the simulated server)
+            for _, _, _, data in receive_bucket(pg, *bucket):
+                hashlib.sha256(data).hexdigest()
         pg.barrier().wait()
         for _, n in names:  # raw: one broadcast per tensor
             buf = torch.empty(n, dtype=torch.bfloat16)
@@ -105,8 +110,9 @@ def _receiver(port: int, nbytes: int, repeat: int, names: list[tuple[str, int]],
 def broadcast(state: dict[str, Any], nbytes: int, repeat: int, bucket_mb: int) -> dict[str, Any]:
     import torch.distributed as dist
 
-    spec, buckets = layout(state, bucket_mb * MB)
-    checksums = {t["name"]: t["sha256"] for t in spec["tensors"]}
+    buckets = layout(state, bucket_mb * MB)
+    checksums = {n: sha for b in buckets for n, sha in zip(b.names, b.sha256, strict=True)}
+    spec = [(b.names, b.dtypes, b.shapes) for b in buckets]
     names = [(name, t.numel()) for name, t in state.items()]
     with contextlib.closing(__import__("socket").socket()) as s:
         s.bind(("127.0.0.1", 0))
@@ -122,9 +128,9 @@ def broadcast(state: dict[str, Any], nbytes: int, repeat: int, bucket_mb: int) -
         pearl, raw = [], []
         for _ in range(repeat):
             t = time.perf_counter()
-            _, packed = layout(state, bucket_mb * MB, checksums)  # the trainer knows the manifest's sha256
-            send(pg, packed)
-            pg.barrier().wait()  # the receiver checked every tensor
+            for bucket in layout(state, bucket_mb * MB, checksums):  # the trainer knows the manifest's sha256
+                send_bucket(pg, bucket)
+            pg.barrier().wait()  # the receiver hashed every tensor
             pearl.append(time.perf_counter() - t)
             t = time.perf_counter()
             for tensor in state.values():

@@ -1,13 +1,25 @@
 """The fast path: the trainer's rank broadcasts the new weights to the servers of a sync group.
 
-A sync group is the trainer (rank 0) and some servers (ranks 1..N) joined in a torch.distributed
-process group of their own (a `TCPStore` and a `ProcessGroupGloo`, or NCCL where there are GPUs),
-made without touching the trainer's default group. The servers join through their HTTP API
-(`/init_weights_update_group`, as SGLang's); a broadcast posts the layout to every server
-(`/update_weights_from_distributed`: each tensor's name, dtype, shape, bucket, offset and sha256) and
-then sends the tensors packed into buckets of `bucket_bytes`. Each server receives every bucket,
-checks every tensor against its sha256 (a mismatch is refused naming the tensor, and the server
-keeps its old weights), and only then takes the version.
+It speaks SGLang's weight-update protocol, so the same code drives real SGLang servers and the
+simulated one:
+
+- The group: the trainer is rank 0; each server joins through `/init_weights_update_group` with
+  `rank_offset` and `world_size`, and each of its TP ranks takes rank `rank_offset + tp_rank`, so a
+  group of servers with TP sizes t1..tn has 1 + t1 + ... + tn ranks. Both sides meet as SGLang's
+  `init_custom_process_group` does: a TCP rendezvous at the trainer's address (rank 0 hosts the
+  store), a `PrefixStore` named after the group, and a process group of its own (gloo on the CPU,
+  NCCL on GPUs) that does not touch the trainer's default group.
+- The tensors: in buckets of at most `bucket_bytes`. For each bucket, every server is told the
+  bucket's `names`, `dtypes` (torch's names) and `shapes` with `load_format: "flattened_bucket"`
+  (`/update_weights_from_distributed`), then the trainer broadcasts the bucket as one flat byte
+  tensor. Within a bucket tensors are ordered by element size, largest first, so every tensor starts
+  at an offset its dtype is aligned to (SGLang refuses an unaligned one). Only the last bucket
+  carries `weight_version` and `flush_cache`: a server takes the new version once it has every bucket.
+- The check: SGLang does not verify what arrives. After the last bucket the trainer reads each
+  server's `/model_info`; a server that reports `weights_checksum` (the simulated server does: the
+  digest of the sha256 of every tensor it received) must report the digest of the registered
+  checksums, or it is not counted as synced. A server that reports none (stock SGLang) is counted
+  on the collective's success.
 
 `SyncGroup.broadcast` says which servers took the version; `publish_weights(..., group=...)` records
 those as synced by broadcast, and the snapshot path (the Celery tasks) brings every other worker,
@@ -25,135 +37,156 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
-from pearl.controlplane.weights.files import DTYPE_BYTES, SnapshotError, manifest_digest, tensor_bytes
+from pearl.controlplane.weights.files import (
+    DTYPE_BYTES,
+    TORCH_DTYPES,
+    SnapshotError,
+    manifest_digest,
+    tensor_bytes,
+)
 
 DEFAULT_BUCKET_BYTES = 64 * 1024 * 1024
+DEFAULT_GROUP = "weight_update_group"  # SGLang's default group name
+LOAD_FORMAT = "flattened_bucket"
+TORCH_NAME = {st: torch_name for torch_name, st in TORCH_DTYPES.items()}  # safetensors dtype -> torch's name
 
 
 def join_group(host: str, port: int, rank: int, world_size: int, backend: str = "gloo",
-               timeout_s: float = 120.0) -> Any:
-    """A process group of its own (rank 0 hosts the store); blocks until every rank joined."""
-    import torch.distributed as dist
+               timeout_s: float = 120.0, group_name: str = DEFAULT_GROUP) -> Any:
+    """A process group of its own, made as SGLang's `init_custom_process_group` makes it (TCP
+    rendezvous, rank 0 hosts the store, a PrefixStore named after the group); blocks until every rank
+    joined."""
+    from torch.distributed.distributed_c10d import (
+        Backend,
+        PrefixStore,
+        _new_process_group_helper,
+        _world,
+        rendezvous,
+    )
 
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(host, port, world_size, rank == 0, timeout=timeout)
-    if backend == "nccl":
-        return dist.ProcessGroupNCCL(store, rank, world_size)
-    return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+    store, rank, world_size = next(rendezvous(f"tcp://{host}:{port}", rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    store = PrefixStore(group_name, store)
+    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store, group_name=group_name,
+                                      backend_options=None, timeout=timeout)
+    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg
 
 
-def _broadcast(pg: Any, tensor: Any) -> None:
+def leave_group(pg: Any) -> None:
     import torch.distributed as dist
 
-    opts = dist.BroadcastOptions()
-    opts.rootRank = 0
-    pg.broadcast([tensor], opts).wait()
+    dist.destroy_process_group(pg)
+
+
+def _broadcast(pg: Any, tensor: Any) -> Any:
+    import torch.distributed as dist
+
+    return dist.broadcast(tensor, src=0, group=pg, async_op=True)
+
+
+@dataclass
+class Bucket:
+    """One broadcast: what `/update_weights_from_distributed` names, and the tensors' bytes in order."""
+
+    names: list[str]
+    dtypes: list[str]  # torch's dtype names, as SGLang takes them
+    shapes: list[list[int]]
+    data: list[memoryview]
+    sha256: list[str]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(d.nbytes for d in self.data)
 
 
 def layout(state_dict: dict[str, Any], bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-           checksums: dict[str, str] | None = None) -> tuple[dict[str, Any], list[list[tuple[str, memoryview]]]]:
-    """The layout servers are told (JSON), and the tensors' bytes bucket by bucket. `checksums`: the
-    registered sha256 per tensor (default: computed here)."""
-    tensors: list[dict[str, Any]] = []
-    buckets: list[list[tuple[str, memoryview]]] = [[]]
-    sizes = [0]
+           checksums: dict[str, str] | None = None) -> list[Bucket]:
+    """The buckets of `state_dict`, each at most `bucket_bytes` (a larger tensor alone), each ordered
+    by element size, largest first. `checksums`: the registered sha256 per tensor (default: computed
+    here)."""
+    entries = []
     for name, tensor in state_dict.items():
         dtype, shape, data = tensor_bytes(tensor)
-        if sizes[-1] and sizes[-1] + data.nbytes > bucket_bytes:
-            buckets.append([])
-            sizes.append(0)
         sha = (checksums or {}).get(name) or hashlib.sha256(data).hexdigest()
-        tensors.append({"name": name, "dtype": dtype, "shape": shape, "bucket": len(buckets) - 1,
-                        "offset": sizes[-1], "nbytes": data.nbytes, "sha256": sha})
-        buckets[-1].append((name, data))
-        sizes[-1] += data.nbytes
-    return {"tensors": tensors, "buckets": sizes}, buckets
+        entries.append((name, dtype, shape, data, sha))
+    groups: list[list[tuple[str, str, list[int], memoryview, str]]] = [[]]
+    size = 0
+    for entry in entries:
+        if groups[-1] and size + entry[3].nbytes > bucket_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(entry)
+        size += entry[3].nbytes
+    buckets = []
+    for group in groups:
+        group.sort(key=lambda e: -DTYPE_BYTES[e[1]])  # stable: a tensor starts aligned to its dtype
+        buckets.append(Bucket([e[0] for e in group], [TORCH_NAME[e[1]] for e in group], [e[2] for e in group],
+                              [e[3] for e in group], [e[4] for e in group]))
+    return [b for b in buckets if b.names]
 
 
-def _pack(bucket: list[tuple[str, memoryview]]) -> Any:
+def expected_checksum(buckets: list[Bucket]) -> str:
+    """What a server that took every bucket reports as its `weights_checksum`."""
+    return manifest_digest({n: sha for b in buckets for n, sha in zip(b.names, b.sha256, strict=True)})
+
+
+def _pack(bucket: Bucket) -> Any:
     import torch
 
-    if len(bucket) == 1:  # one tensor: sent from its own memory, no copy
-        return torch.frombuffer(bucket[0][1], dtype=torch.uint8) if bucket[0][1].nbytes else torch.empty(0)
-    buf = torch.empty(sum(d.nbytes for _, d in bucket), dtype=torch.uint8)
+    if len(bucket.data) == 1:  # one tensor: sent from its own memory, no copy
+        data = bucket.data[0]
+        return torch.frombuffer(data, dtype=torch.uint8) if data.nbytes else torch.empty(0, dtype=torch.uint8)
+    buf = torch.empty(bucket.nbytes, dtype=torch.uint8)
     view = buf.numpy()
     at = 0
-    for _, data in bucket:
+    for data in bucket.data:
         view[at:at + data.nbytes] = data
         at += data.nbytes
     return buf
 
 
-def send(pg: Any, buckets: list[list[tuple[str, memoryview]]]) -> int:
-    """Rank 0: broadcast every bucket, packing the next one while the last is on the wire; the bytes
-    sent."""
-    import torch.distributed as dist
-
-    opts = dist.BroadcastOptions()
-    opts.rootRank = 0
-    total = 0
-    in_flight: Any = None
-    for bucket in buckets:
-        buf = _pack(bucket)
-        work = pg.broadcast([buf], opts)
-        if in_flight is not None:
-            in_flight.wait()
-        in_flight = work
-        total += buf.numel()
-    if in_flight is not None:
-        in_flight.wait()
-    return total
+def send_bucket(pg: Any, bucket: Bucket) -> int:
+    """Rank 0: broadcast one bucket as a flat byte tensor; the bytes sent."""
+    buf = _pack(bucket)
+    _broadcast(pg, buf).wait()
+    return buf.numel()
 
 
-def _check(spec_tensors: list[dict[str, Any]], data: memoryview) -> list[tuple[str, str]]:
-    """(name, sha256) of each tensor of one bucket (hashlib releases the GIL: this runs beside the
-    next bucket's transfer)."""
-    return [(t["name"], hashlib.sha256(data[t["offset"]:t["offset"] + t["nbytes"]]).hexdigest())
-            for t in spec_tensors]
-
-
-def receive(pg: Any, spec: dict[str, Any]) -> dict[str, tuple[str, list[int], memoryview]]:
-    """A server rank: receive every bucket of `spec` (all of them, so the collective completes),
-    checking each bucket's tensors while the next one arrives; then SnapshotError naming the first
-    tensor whose sha256 does not match."""
+def receive_bucket(pg: Any, names: list[str], dtypes: list[str],
+                   shapes: list[list[int]]) -> list[tuple[str, str, list[int], memoryview]]:
+    """A server rank: receive one flattened bucket as SGLang does (`FlattenedTensorBucket.empty`: a
+    negative dimension or a tensor not aligned to its dtype is refused before anything is received);
+    (name, torch dtype, shape, bytes) per tensor."""
     import torch
-    import torch.distributed as dist
 
-    opts = dist.BroadcastOptions()
-    opts.rootRank = 0
-    by_bucket: dict[int, list[dict[str, Any]]] = {}
-    for t in spec["tensors"]:
-        name, dtype, shape = t["name"], t["dtype"], list(t["shape"])
-        if dtype not in DTYPE_BYTES or math.prod(shape) * DTYPE_BYTES[dtype] != t["nbytes"]:
-            raise SnapshotError(f"tensor {name}: {t['nbytes']} bytes for shape {shape} {dtype}")
-        by_bucket.setdefault(int(t["bucket"]), []).append(t)
-    views: list[memoryview] = []
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        checks = []
-        for i, size in enumerate(int(n) for n in spec["buckets"]):
-            buf = torch.empty(size, dtype=torch.uint8)
-            pg.broadcast([buf], opts).wait()
-            views.append(memoryview(buf.numpy()))
-            checks.append(pool.submit(_check, by_bucket.get(i, []), views[-1]))
-        digests = dict(d for c in checks for d in c.result())
-    out: dict[str, tuple[str, list[int], memoryview]] = {}
-    for t in spec["tensors"]:
-        name = t["name"]
-        if digests[name] != t["sha256"]:
-            raise SnapshotError(f"tensor {name}: checksum mismatch (sha256 {digests[name][:12]}..., "
-                                f"expected {str(t['sha256'])[:12]}...)")
-        out[name] = (t["dtype"], list(t["shape"]), views[t["bucket"]][t["offset"]:t["offset"] + t["nbytes"]])
-    return out
-
-
-def layout_checksum(spec: dict[str, Any]) -> str:
-    """What a server that took the broadcast reports as its `weights_checksum`."""
-    return manifest_digest({t["name"]: t["sha256"] for t in spec["tensors"]})
+    if not (len(names) == len(dtypes) == len(shapes)) or not names:
+        raise SnapshotError(f"a bucket needs as many names, dtypes and shapes, at least one: "
+                            f"{len(names)}, {len(dtypes)}, {len(shapes)}")
+    spans = []
+    offset = 0
+    for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+        if dtype not in TORCH_DTYPES:
+            raise SnapshotError(f"tensor {name}: dtype {dtype!r} is not one of {sorted(TORCH_DTYPES)}")
+        if any(int(d) < 0 for d in shape):
+            raise SnapshotError(f"Negative dimension in received tensor {name}: {list(shape)}")
+        itemsize = DTYPE_BYTES[TORCH_DTYPES[dtype]]
+        if offset % itemsize:
+            raise SnapshotError(f"Unaligned received tensor {name}: byte offset {offset}, dtype {dtype}")
+        size = math.prod(int(d) for d in shape) * itemsize
+        spans.append((name, dtype, [int(d) for d in shape], offset, size))
+        offset += size
+    buf = torch.empty(offset, dtype=torch.uint8)
+    _broadcast(pg, buf).wait()
+    view = memoryview(buf.numpy())
+    return [(name, dtype, shape, view[at:at + size]) for name, dtype, shape, at, size in spans]
 
 
 @dataclass
 class SyncGroup:
-    """The trainer's side of a sync group: `members` maps worker id -> its server's endpoint."""
+    """The trainer's side of a sync group: `members` maps worker id -> its server's endpoint, `tp`
+    worker id -> its server's TP size (default 1: one rank)."""
 
     members: dict[int, str]
     host: str = "127.0.0.1"
@@ -161,27 +194,58 @@ class SyncGroup:
     backend: str = "gloo"
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     timeout_s: float = 120.0
-    name: str = "pearl-sync"
+    name: str = DEFAULT_GROUP
+    tp: dict[int, int] = field(default_factory=dict)
     pg: Any = field(default=None, repr=False)
+
+    @property
+    def world_size(self) -> int:
+        return 1 + sum(self.tp.get(w, 1) for w in self.members)
+
+    def rank_offsets(self) -> dict[int, int]:
+        """Worker id -> the rank of its server's TP rank 0 (the trainer is rank 0)."""
+        out, rank = {}, 1
+        for worker in sorted(self.members):
+            out[worker] = rank
+            rank += self.tp.get(worker, 1)
+        return out
+
+    # -- what each server is sent (SGLang's request types) -----------------------------------------
+
+    def init_body(self, worker: int) -> dict[str, Any]:
+        return {"master_address": self.host, "master_port": self.port, "rank_offset": self.rank_offsets()[worker],
+                "world_size": self.world_size, "group_name": self.name, "backend": self.backend}
+
+    def bucket_body(self, bucket: Bucket, version: int, last: bool) -> dict[str, Any]:
+        body: dict[str, Any] = {"names": bucket.names, "dtypes": bucket.dtypes, "shapes": bucket.shapes,
+                                "group_name": self.name, "load_format": LOAD_FORMAT, "flush_cache": last}
+        if last:
+            body["weight_version"] = str(version)
+        return body
+
+    def destroy_body(self) -> dict[str, Any]:
+        return {"group_name": self.name}
+
+    # -- the calls ------------------------------------------------------------------------------
 
     def _post_all(self, path: str, body_of: Any) -> None:
         """POST to every member at once (threads); `_results` collects: worker id -> None or the error."""
-        def post(item: tuple[int, int, str]) -> tuple[int, str | None]:
-            i, worker, endpoint = item
+        def post(item: tuple[int, str]) -> tuple[int, str | None]:
+            worker, endpoint = item
             try:
-                resp = httpx.post(endpoint.rstrip("/") + path, json=body_of(i), timeout=self.timeout_s + 30)
+                resp = httpx.post(endpoint.rstrip("/") + path, json=body_of(worker), timeout=self.timeout_s + 30)
                 try:
                     body = resp.json()
                 except ValueError:
                     body = {"message": resp.text[:300]}
                 if resp.status_code != 200 or (isinstance(body, dict) and body.get("success") is False):
-                    message = body.get("message") if isinstance(body, dict) else body
+                    message = body.get("message") or body.get("detail") if isinstance(body, dict) else body
                     return worker, f"{endpoint}{path}: {resp.status_code}: {message}"
                 return worker, None
             except httpx.HTTPError as exc:
                 return worker, f"{endpoint}{path}: no answer ({type(exc).__name__}: {exc})"
 
-        items = [(i, w, e) for i, (w, e) in enumerate(sorted(self.members.items()))]
+        items = sorted(self.members.items())
         self._executor = concurrent.futures.ThreadPoolExecutor(max(1, len(items)))
         self._futures = [self._executor.submit(post, item) for item in items]
 
@@ -197,12 +261,9 @@ class SyncGroup:
             with socket.socket() as sock:
                 sock.bind((self.host, 0))
                 self.port = sock.getsockname()[1]
-        world = len(self.members) + 1
-        self._post_all("/init_weights_update_group", lambda i: {
-            "master_address": self.host, "master_port": self.port, "rank_offset": i + 1, "world_size": world,
-            "group_name": self.name, "backend": self.backend})
+        self._post_all("/init_weights_update_group", self.init_body)
         try:
-            self.pg = join_group(self.host, self.port, 0, world, self.backend, self.timeout_s)
+            self.pg = join_group(self.host, self.port, 0, self.world_size, self.backend, self.timeout_s, self.name)
         finally:
             errors = {w: e for w, e in self._results().items() if e}
         if errors:
@@ -212,20 +273,48 @@ class SyncGroup:
     def broadcast(self, state_dict: dict[str, Any], version: int,
                   checksums: dict[str, str] | None = None) -> dict[int, str | None]:
         """Send `state_dict` as `version` to every member: worker id -> None (it took the version)
-        or why not."""
+        or why not. A bucket any member refused ends the broadcast for all (the collective needs
+        every rank); the snapshot path then brings them."""
         if self.pg is None:
             raise SnapshotError(f"sync group {self.name}: not set up")
-        spec, buckets = layout(state_dict, self.bucket_bytes, checksums)
-        self._post_all("/update_weights_from_distributed", lambda i: {
-            "group_name": self.name, "weight_version": str(version), "layout": spec})
-        try:
-            send(self.pg, buckets)
-        finally:
-            results = self._results()
-        return results
+        buckets = layout(state_dict, self.bucket_bytes, checksums)
+        for k, bucket in enumerate(buckets):
+            last = k == len(buckets) - 1
+            self._post_all("/update_weights_from_distributed",
+                           lambda w, b=bucket, last=last: self.bucket_body(b, version, last))
+            try:
+                send_bucket(self.pg, bucket)
+            finally:
+                results = self._results()
+            errors = {w: e for w, e in results.items() if e}
+            if errors:
+                return {w: errors.get(w) or f"the broadcast stopped at bucket {k + 1} of {len(buckets)}: {errors}"
+                        for w in self.members}
+        return self._verify(expected_checksum(buckets), version)
+
+    def _verify(self, checksum: str, version: int) -> dict[int, str | None]:
+        """Each member's `/model_info`: the version taken and, where it reports one, the checksum."""
+        out: dict[int, str | None] = {}
+        for worker, endpoint in sorted(self.members.items()):
+            try:
+                info = httpx.get(endpoint.rstrip("/") + "/model_info", timeout=self.timeout_s).json()
+            except (httpx.HTTPError, ValueError) as exc:
+                out[worker] = f"{endpoint}/model_info: no answer ({type(exc).__name__}: {exc})"
+                continue
+            got = info.get("weights_checksum") if isinstance(info, dict) else None
+            if isinstance(info, dict) and str(info.get("weight_version")) != str(version):
+                out[worker] = (f"{endpoint}: serves version {info.get('weight_version')} after the broadcast "
+                               f"of {version}")
+            elif got is not None and got != checksum:
+                out[worker] = (f"{endpoint}: weights checksum {str(got)[:12]}... after the broadcast, "
+                               f"registered {checksum[:12]}...")
+            else:
+                out[worker] = None
+        return out
 
     def close(self) -> None:
         if self.pg is not None:
-            self._post_all("/destroy_weights_update_group", lambda i: {"group_name": self.name})
+            self._post_all("/destroy_weights_update_group", lambda w: self.destroy_body())
             self._results()
+            leave_group(self.pg)
             self.pg = None

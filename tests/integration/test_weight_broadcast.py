@@ -1,6 +1,7 @@
-"""The torch.distributed fast path (gloo on the CPU): the trainer's rank broadcasts the tensors in
-buckets to simulated servers that really receive them and check every tensor's sha256; the snapshot
-path brings whoever the broadcast did not reach."""
+"""The torch.distributed fast path (gloo on the CPU), in SGLang's protocol: the trainer's rank
+broadcasts the tensors in flattened buckets to simulated servers that really receive them; the
+trainer then compares each server's reported checksum with the registered one, and the snapshot path
+brings whoever the broadcast did not reach."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import httpx
 import pytest
 from pearl.agents.drivers.process import free_port
 from pearl.controlplane.weights import publish_weights
-from pearl.controlplane.weights.broadcast import SyncGroup, layout, layout_checksum
+from pearl.controlplane.weights.broadcast import SyncGroup, expected_checksum, layout
 from sqlalchemy import Engine
 from weights_support import LiveFleet, bring_up, sync_rows, wait_for
 
@@ -63,23 +64,40 @@ def _answers(endpoint: str) -> bool:
         return False
 
 
-def test_a_broadcast_in_buckets_reaches_every_member_checked_and_a_bad_tensor_is_refused_by_name(
+def test_a_broadcast_in_buckets_reaches_every_member_checked_and_a_wrong_checksum_is_not_counted(
         servers: dict[int, str]) -> None:
     group = SyncGroup(servers, bucket_bytes=128 * 1024)  # several buckets
     group.setup()
     try:
         state = state_dict(3)
-        spec, buckets = layout(state, group.bucket_bytes)
+        buckets = layout(state, group.bucket_bytes)
         assert len(buckets) >= 3
         assert group.broadcast(state, 3) == {1: None, 2: None}
         for e in servers.values():
-            assert info(e)["weight_version"] == "3" and info(e)["weights_checksum"] == layout_checksum(spec)
+            assert info(e)["weight_version"] == "3" and info(e)["weights_checksum"] == expected_checksum(buckets)
         wrong = {"lm_head.weight": "0" * 64}  # the checksum the trainer registered does not match what arrives
         refused = group.broadcast(state_dict(4), 4, wrong)
-        assert all("tensor lm_head.weight: checksum mismatch" in (refused[w] or "") for w in (1, 2)), refused
-        assert all(info(e)["weight_version"] == "3" for e in servers.values())  # kept
+        assert all("weights checksum" in (refused[w] or "") for w in (1, 2)), refused
+        # the group still works: the next broadcast is counted again
+        assert group.broadcast(state_dict(5), 5) == {1: None, 2: None}
     finally:
         group.close()
+
+
+def test_buckets_are_aligned_as_sglang_requires_and_the_group_counts_every_tp_rank() -> None:
+    mixed = {"a.bias": torch.ones(3, dtype=torch.bfloat16), "b.weight": torch.ones(5, dtype=torch.float32),
+             "c.flag": torch.ones(1, dtype=torch.bool), "d.step": torch.ones(1, dtype=torch.int64)}
+    (bucket,) = layout(mixed)
+    offset = 0
+    sizes = {"int64": 8, "float32": 4, "bfloat16": 2, "bool": 1}
+    for dtype, shape in zip(bucket.dtypes, bucket.shapes, strict=True):
+        assert offset % sizes[dtype] == 0, (bucket.names, bucket.dtypes)
+        offset += sizes[dtype] * int(torch.tensor(shape).prod())
+    assert bucket.dtypes == ["int64", "float32", "bfloat16", "bool"]
+    group = SyncGroup({3: "http://a", 1: "http://b", 7: "http://c"}, tp={1: 2, 3: 4})
+    assert group.world_size == 1 + 2 + 4 + 1
+    assert group.rank_offsets() == {1: 1, 3: 3, 7: 7}
+    assert group.init_body(7)["rank_offset"] == 7 and group.init_body(7)["world_size"] == 8
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from pearl.controlplane.errors import BadInput
 from pearl.controlplane.weights import check_snapshot, snapshot_path, write_snapshot
-from pearl.controlplane.weights.broadcast import layout
+from pearl.controlplane.weights.broadcast import expected_checksum, layout
 from pearl.controlplane.weights.files import load_snapshot, manifest_digest
 
 pytestmark = pytest.mark.unit
@@ -65,7 +65,9 @@ def test_snapshot_uris(tmp_path: Path) -> None:
 def test_the_broadcast_layout_packs_tensors_into_buckets_with_the_registered_checksums(tmp_path: Path) -> None:
     state = {f"t{i}": np.full(1000, i, dtype=np.float32) for i in range(5)}  # 4000 bytes each
     snap = write_snapshot(state, tmp_path / "s")
-    spec, buckets = layout(state, bucket_bytes=9000)
-    assert [len(b) for b in buckets] == [2, 2, 1] and spec["buckets"] == [8000, 8000, 4000]
-    assert {t["name"]: t["sha256"] for t in spec["tensors"]} == {n: i.sha256 for n, i in snap.info.items()}
-    assert manifest_digest(snap.manifest()) == manifest_digest({t["name"]: t["sha256"] for t in spec["tensors"]})
+    buckets = layout(state, bucket_bytes=9000)
+    assert [len(b.names) for b in buckets] == [2, 2, 1] and [b.nbytes for b in buckets] == [8000, 8000, 4000]
+    assert all(b.dtypes == ["float32"] * len(b.names) and b.shapes == [[1000]] * len(b.names) for b in buckets)
+    sent = {n: sha for b in buckets for n, sha in zip(b.names, b.sha256, strict=True)}
+    assert sent == {n: i.sha256 for n, i in snap.info.items()}
+    assert manifest_digest(snap.manifest()) == expected_checksum(buckets)
