@@ -119,6 +119,12 @@ class ServerClient(HTTPClient):
     def loads(self) -> list[dict[str, Any]]:
         return self._json(self._call("GET", "/v1/loads?include=core,disagg,queues")).get("loads", [])
 
+    def graph_memory_gb(self) -> float:
+        """The memory its CUDA graphs take, the most over its DP ranks (`/v1/loads` `memory.graph_gb`):
+        what a decode server reports is what a flip to decode must leave free to capture its own."""
+        loads = self._json(self._call("GET", "/v1/loads?include=memory")).get("loads", [])
+        return max([float((load.get("memory") or {}).get("graph_gb") or 0.0) for load in loads] or [0.0])
+
     def is_idle(self) -> bool:
         """No running, waiting or in-transfer request on any DP rank."""
         for load in self.loads():

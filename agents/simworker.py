@@ -63,12 +63,15 @@ class SimConfig:
     model_path: str | None = None  # a weight snapshot to check and load at start
     weight_version: str = "default"
     enable_memory_saver: bool = False
+    enable_weights_cpu_backup: bool = False  # without it, weights released and resumed come back uninitialised
     enable_pd_role_switch: bool = False
     startup_s: float = 0.0  # simulated start-up (weights, CUDA graphs): /health answers 503 until then
     launched_at: float | None = None  # when its launcher started it (epoch s): the start-up runs from then
     weight_load_s: float = 2.0  # simulated time a snapshot load pauses the engine
     role_switch_s: float = 1.0  # simulated time of a prefill <-> decode flip
     memory_s: float = 0.5  # simulated time to release or resume memory
+    decode_graph_gb: float = 2.0  # memory its decode CUDA graphs take (reported under /v1/loads `memory`)
+    graph_headroom_gb: float = 8.0  # memory free beside weights and KV: what a capture on a flip may take
     capacity: int | None = None  # KV tokens; default: the performance model's
     run_dir: str | None = None  # where model_path points when no snapshot is given (a local directory)
 
@@ -92,6 +95,16 @@ class SimState:
     tensors: dict[str, str] = field(default_factory=dict)  # the weights' tensors: name -> sha256
     weight_loads: int = 0  # snapshots (or broadcasts) taken since the start
     groups: dict[str, Any] = field(default_factory=dict)  # weight-update groups joined (name -> process group)
+    decode_graphs: bool = False  # decode CUDA graphs captured (launched as decode, or flipped to decode once)
+
+    def flushable(self, after_update: bool = False) -> bool:
+        """SGLang flushes only a fully idle scheduler; while generation is paused the requests waiting
+        (the retracted ones) do not count, the running ones (paused in place) do. A weight update on a
+        server not paused first waits for the requests in flight (under its update lock), so its
+        flush finds the scheduler idle."""
+        if after_update and self.paused is None:
+            return True
+        return self.rt.idle or self.paused == "retract"
 
     def serving_problem(self) -> str | None:
         if self.stopping:
@@ -103,6 +116,12 @@ class SimState:
         if self.switching:
             return "a role switch is in progress"
         return None
+
+
+UNINITIALISED = "uninitialised"  # the weights checksum of weights resumed without a CPU backup
+FLUSH_REFUSED = "Flush cache failed: there are running or waiting requests.\n"
+FLUSH_AFTER_UPDATE_REFUSED = ("Weights were updated, but the cache was not flushed because requests are still running "
+                              "or queued. Retract or finish them, then call /flush_cache.")
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -200,8 +219,11 @@ def build_app(state: SimState) -> web.Application:
 
     @routes.get("/v1/loads")
     async def loads(request: web.Request) -> web.Response:
+        load = rt.load(state.held)
+        load["memory"] = {"graph_gb": cfg.decode_graph_gb if state.decode_graphs else 0.0,
+                          "token_capacity": load["max_total_num_tokens"]}
         return web.json_response({"version": VERSION, "accelerator": cfg.gpu, "num_accelerators": cfg.tp,
-                                  "loads": [rt.load(state.held)]})
+                                  "loads": [load]})
 
     @routes.get("/pearl/state")
     async def pearl_state(request: web.Request) -> web.Response:
@@ -287,8 +309,8 @@ def build_app(state: SimState) -> web.Application:
     async def flush_cache(request: web.Request) -> web.Response:
         if request.method == "POST" and (refused := _fenced(state, request)) is not None:
             return refused
-        if not rt.idle:
-            return web.Response(status=400, text="Flush cache failed: there are running or waiting requests.\n")
+        if not state.flushable():
+            return web.Response(status=400, text=FLUSH_REFUSED)
         rt.flush_cache()
         return web.Response(text="Cache flushed.\n")
 
@@ -316,6 +338,15 @@ def build_app(state: SimState) -> web.Application:
                                       "new_role": new, "safe_to_restore": False})
         if not rt.idle or state.held:
             return fail("instance is not idle; drain all requests before switching")
+        graph_gb = body.get("decode_cuda_graph_memory_gb")
+        if new == "decode" and not state.decode_graphs:  # SGLang captures the decode graphs on this flip
+            if graph_gb is None:
+                return fail("decode_cuda_graph_memory_gb is required before capturing decode graphs")
+            if float(graph_gb) < 0:
+                return fail("decode_cuda_graph_memory_gb must be non-negative")
+            if float(graph_gb) > cfg.graph_headroom_gb:
+                return fail(f"insufficient decode CUDA graph headroom: required={float(graph_gb):.3f} GB, "
+                            f"available={cfg.graph_headroom_gb:.3f} GB")
         if body.get("prepare_only"):
             return web.json_response({"success": True, "message": "ready", "old_role": old, "new_role": new,
                                       "safe_to_restore": True})
@@ -323,6 +354,7 @@ def build_app(state: SimState) -> web.Application:
         try:
             rt.set_role(Role(new))
             await rt.sleep_sim(cfg.role_switch_s)
+            state.decode_graphs |= new == "decode"
         finally:
             state.switching = False
         return web.json_response({"success": True, "message": "ok", "old_role": old, "new_role": new,
@@ -360,6 +392,10 @@ def build_app(state: SimState) -> web.Application:
         if isinstance(tags, web.Response):
             return tags
         await rt.sleep_sim(cfg.memory_s)
+        if "weights" in tags & state.released and not cfg.enable_weights_cpu_backup:
+            # as SGLang's memory saver: the weights' memory comes back, their values do not
+            state.tensors = {}
+            state.weights_checksum = UNINITIALISED
         state.released -= tags
         return web.json_response({"success": True, "released": sorted(state.released)})
 
@@ -389,7 +425,10 @@ def build_app(state: SimState) -> web.Application:
             state.weight_loads += 1
             if body.get("weight_version") is not None:
                 state.weight_version = str(body["weight_version"])
-            if body.get("flush_cache", True) and rt.idle:
+            if body.get("flush_cache", True):
+                if not state.flushable(after_update=True):
+                    return web.json_response({"success": False, "num_paused_requests": 0,
+                                              "message": FLUSH_AFTER_UPDATE_REFUSED}, status=400)
                 rt.flush_cache()
         return web.json_response({"success": True, "num_paused_requests": 0,
                                   "message": f"Succeeded to update model weights ({snap.tensors} tensors, "
@@ -457,7 +496,9 @@ def build_app(state: SimState) -> web.Application:
                 state.weight_version = str(body["weight_version"])
                 state.weight_loads += 1
                 message += f" Weight version updated to {state.weight_version}."
-            if body.get("flush_cache", True) and rt.idle:
+            if body.get("flush_cache", True):
+                if not state.flushable(after_update=True):
+                    return web.json_response({"success": False, "message": FLUSH_AFTER_UPDATE_REFUSED}, status=400)
                 rt.flush_cache()
         return web.json_response({"success": True, "message": message})
 
@@ -495,7 +536,8 @@ async def serve(cfg: SimConfig) -> None:
     launched_s = max(0.0, time.time() - cfg.launched_at) * cfg.speed if cfg.launched_at is not None else 0.0
     state = SimState(cfg, rt, model_path, cfg.weight_version, cfg.fence, ready_at=cfg.startup_s - launched_s,
                      weights_checksum=manifest_digest(snap.manifest()) if cfg.model_path else None,
-                     tensors={n: t.sha256 for n, t in snap.info.items()} if cfg.model_path else {})
+                     tensors={n: t.sha256 for n, t in snap.info.items()} if cfg.model_path else {},
+                     decode_graphs=cfg.role is Role.DECODE)
     state.unpaused.set()
     runner = web.AppRunner(build_app(state), handle_signals=False, shutdown_timeout=5.0, access_log=None)
     await runner.setup()

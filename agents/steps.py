@@ -21,7 +21,9 @@ to a server carries the claim's fencing token. A handler calls `ctx.check()` (or
   admit         once the worker has the trainer's current weights (a sync may bring a version that came
                 out after its load_weights; `Timeouts.weights_s`), register with the front door, then
                 active in the rows
-  flip_role     wait until idle, then `pd_role_switch` in place
+  flip_role     wait until idle, then `pd_role_switch` in place (to decode: with the decode CUDA graph
+                memory a decode peer reports); a server that refuses the switch is restarted in the
+                new role
   router_sync   switch the front door to the target mode
 """
 
@@ -40,7 +42,7 @@ from pearl.controlplane.errors import PearlError
 from pearl.controlplane.store import plan_store, step_effects
 from pearl.controlplane.store import weights as weight_rows
 from pearl.controlplane.store.db import transaction
-from pearl.controlplane.store.step_view import WorkerView, worker_view
+from pearl.controlplane.store.step_view import WorkerView, decode_peer_endpoints, worker_view
 
 log = logging.getLogger("pearl.agent")
 
@@ -64,7 +66,8 @@ class ServerAPI(Protocol):
     def continue_generation(self) -> Any: ...
     def release_memory_occupation(self) -> Any: ...
     def resume_memory_occupation(self) -> Any: ...
-    def pd_role_switch(self, new_role: str) -> Any: ...
+    def pd_role_switch(self, new_role: str, decode_cuda_graph_memory_gb: float | None = None) -> Any: ...
+    def graph_memory_gb(self) -> float: ...
     def update_weights_from_disk(self, model_path: str, weight_version: int) -> Any: ...
 
 
@@ -185,7 +188,39 @@ class StepContext:
             return plan_store.complete_step(session, self.id, self.fence, **effect)
 
     def server_api(self, server: Server) -> ServerAPI:
-        return self.client(server.endpoint, self.fence)
+        return _Guarded(self.client(server.endpoint, self.fence), self.guard)  # type: ignore[return-value]
+
+    def guard(self) -> None:
+        """Before each command to a server: the step is not cancelled and its claim still holds in the
+        rows. The simulated server refuses an older `X-Pearl-Fence`; stock SGLang ignores the header,
+        so this read is what keeps an agent whose claim was taken over from commanding the server."""
+        self.check()
+        with transaction(self.engine) as session:
+            stopped = step_effects.claim_state(session, self.id, self.fence)
+        if stopped is not None:
+            self.stop(stopped)
+            self.check()
+
+
+class _Guarded:
+    """A server client whose commands (not its reads) first pass the step's guard."""
+
+    COMMANDS = frozenset({"pause_generation", "continue_generation", "release_memory_occupation",
+                          "resume_memory_occupation", "pd_role_switch", "update_weights_from_disk", "flush_cache"})
+
+    def __init__(self, api: Any, guard: Callable[[], None]) -> None:
+        self._api = api
+        self._guard = guard
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._api, name)
+        if name not in self.COMMANDS:
+            return attr
+
+        def guarded(*args: Any, **kwargs: Any) -> Any:
+            self._guard()
+            return attr(*args, **kwargs)
+        return guarded
 
 
 def _idle(api: ServerAPI) -> Callable[[], bool]:
@@ -303,24 +338,58 @@ def start(ctx: StepContext) -> None:
     launched = False
     if server is not None and w.zone is WorkerZone.OVERLAP and (server.role is Role.COLOCATED) == (
             role is Role.COLOCATED):
-        api = ctx.server_api(server)  # the server slept through the training step: wake it
-        api.resume_memory_occupation()
+        ctx.server_api(server).resume_memory_occupation()  # the server slept through the training step: wake it
         if server.role is not role:
-            api.pd_role_switch(role.value)
-            ctx.driver.record_role(w.id, role)
+            server, launched = _switch_role(ctx, w, server, role)
     elif server is None or server.generation != w.generation or server.role is not role:
-        if server is not None:
-            ctx.driver.stop(w.id)
-        spec = ServerSpec(
-            worker_id=w.id, node=w.node, host=ctx.node_address, role=role, devices=w.devices, tp=w.tp,
-            model=w.model, gpu=w.gpu, generation=w.generation, fence=ctx.fence,
-            overlap=w.zone is WorkerZone.OVERLAP, weights=_weights(w),
-        )
-        server = ctx.driver.launch(spec)
+        server = _relaunch(ctx, w, server, role)
         launched = True
     ctx.check()
     ctx.driver.wait_ready(server, ctx.timeouts.ready_s)
     ctx.complete(endpoint=server.endpoint, cold=launched)
+
+
+def _relaunch(ctx: StepContext, w: WorkerView, server: Server | None, role: Role) -> Server:
+    if server is not None:
+        ctx.driver.stop(w.id)
+    return ctx.driver.launch(ServerSpec(
+        worker_id=w.id, node=w.node, host=ctx.node_address, role=role, devices=w.devices, tp=w.tp,
+        model=w.model, gpu=w.gpu, generation=w.generation, fence=ctx.fence,
+        overlap=w.zone is WorkerZone.OVERLAP, weights=_weights(w),
+    ))
+
+
+def _switch_role(ctx: StepContext, w: WorkerView, server: Server, role: Role) -> tuple[Server, bool]:
+    """prefill <-> decode in place; a server that refuses (SGLang answers 400: no room for its decode
+    graphs, a backend without role switch, unhealthy after a failed switch) is restarted in the new
+    role. (server, whether it was launched)."""
+    graph_gb = _decode_graph_gb(ctx, w) if role is Role.DECODE else None
+    try:
+        ctx.server_api(server).pd_role_switch(role.value, decode_cuda_graph_memory_gb=graph_gb)
+    except DriverError as exc:
+        if exc.status != 400:
+            raise
+        ctx.check()
+        log.warning("%s: worker %d refused the switch to %s (%s); restarting it as %s", ctx.step["key"], w.id,
+                    role.value, exc, role.value, extra={"action": "role_switch_restart"})
+        return _relaunch(ctx, w, server, role), True
+    ctx.driver.record_role(w.id, role)
+    return server, False
+
+
+def _decode_graph_gb(ctx: StepContext, w: WorkerView) -> float | None:
+    """The decode CUDA graph memory of a serving decode peer (what SGLang needs told before it captures
+    the graphs on a flip to decode); None when no peer answers."""
+    with transaction(ctx.engine) as session:
+        peers = decode_peer_endpoints(session, w.id)
+    for endpoint in peers:
+        try:
+            graph_gb = ctx.client(endpoint, ctx.fence).graph_memory_gb()
+        except DriverError:
+            continue
+        if graph_gb > 0:
+            return graph_gb
+    return None
 
 
 def _weights(w: WorkerView) -> WeightsRef | None:
@@ -424,9 +493,11 @@ def flip_role(ctx: StepContext) -> None:
         api = ctx.server_api(server)
         if not ctx.wait(_idle(api), ctx.timeouts.idle_s, "idle before the role switch"):
             raise DriverError(f"worker {w.id} is not idle after {ctx.timeouts.idle_s:g} s; a role switch needs it idle")
-        api.pd_role_switch(role.value)
-        ctx.driver.record_role(w.id, role)
-    ctx.complete()
+        server, launched = _switch_role(ctx, w, server, role)
+        if launched:
+            ctx.check()
+            ctx.driver.wait_ready(server, ctx.timeouts.ready_s)
+    ctx.complete(endpoint=server.endpoint)
 
 
 def router_sync(ctx: StepContext) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 import signal
 from pathlib import Path
 from typing import Annotated, Any
@@ -10,6 +11,9 @@ import typer
 from pearl.controlplane.errors import BadInput
 
 from .common import handle_errors, setup_logging
+
+# SGLang's --disaggregation-transfer-backend choices (0.5.23); a runtime role switch needs mooncake or mori
+TRANSFER_BACKENDS = ("mooncake", "mori", "nixl", "ascend", "mooncake_tcp", "fake")
 
 
 def register(app: typer.Typer) -> None:
@@ -27,6 +31,19 @@ def agent(
     = None,
     sim_args: Annotated[str, typer.Option(
         "--sim-args", help="sim: extra `pearlctl simworker` options for every server, e.g. '--startup-s 60'.")] = "",
+    model_path: Annotated[str | None, typer.Option(
+        "--model-path", help="sglang: what a server loads before the trainer registered a snapshot (a Hugging Face "
+                             "model folder or hub id).")] = None,
+    transfer_backend: Annotated[str, typer.Option(
+        "--transfer-backend", help="sglang: the KV transfer backend of split servers (role switch needs mooncake "
+                                   "or mori).")] = "mooncake",
+    ib_device: Annotated[str | None, typer.Option(
+        "--ib-device", help="sglang: the RDMA devices of the KV transfer, e.g. 'mlx5_0,mlx5_1'.")] = None,
+    sglang_python: Annotated[str | None, typer.Option(
+        "--sglang-python", help="sglang: the Python that has SGLang installed (default: this one).")] = None,
+    sglang_args: Annotated[str, typer.Option(
+        "--sglang-args", help="sglang: extra `sglang.launch_server` options for every server, e.g. "
+                              "'--mem-fraction-static 0.8'.")] = "",
     lease: Annotated[float, typer.Option("--lease-s", min=0.5, help="Lease of a step claim (seconds).")] = 20.0,
     poll: Annotated[float, typer.Option("--poll-s", min=0.01, help="Claim at least this often (seconds).")] = 1.0,
     max_steps: Annotated[int, typer.Option("--max-steps", min=1, help="Steps enacted at once.")] = 8,
@@ -45,6 +62,8 @@ def agent(
 
     if driver not in DRIVERS:
         raise BadInput(f"--driver: one of {', '.join(DRIVERS)}, not {driver!r}")
+    if transfer_backend not in TRANSFER_BACKENDS:
+        raise BadInput(f"--transfer-backend: one of {', '.join(TRANSFER_BACKENDS)}, not {transfer_backend!r}")
     setup_logging(json_logs)
     engine = make_engine()
     try:
@@ -53,6 +72,11 @@ def agent(
         if driver == "sim":
             options["speed"] = speed or _time_scale(engine)
             options["extra_args"] = tuple(sim_args.split())
+        else:
+            options.update(model_path=model_path, transfer_backend=transfer_backend, ib_device=ib_device,
+                           extra_args=tuple(shlex.split(sglang_args)))
+            if sglang_python:
+                options["python"] = sglang_python
         where = run_dir or Path(get_settings().home) / "run" / node
         the_driver = make_driver(driver, where, **options)
         the_agent = Agent(engine, AgentConfig(node=node, driver=driver, lease_s=lease, poll_s=poll,

@@ -31,6 +31,8 @@ def simworker(
     model_path: Annotated[str | None, typer.Option(help="Weight snapshot to check and load at start.")] = None,
     weight_version: Annotated[str, typer.Option(help="Weight version reported by /model_info.")] = "default",
     enable_memory_saver: Annotated[bool, typer.Option(help="Allow release/resume of memory.")] = False,
+    enable_weights_cpu_backup: Annotated[bool, typer.Option(
+        help="Keep a CPU copy of the weights across release/resume (else they come back uninitialised).")] = False,
     enable_pd_role_switch: Annotated[bool, typer.Option(help="Allow prefill <-> decode in place.")] = False,
     startup_s: Annotated[float, typer.Option(help="Simulated start-up time, from the launch (--launched-at), "
                                                   "before /health answers 200.")] = 0.0,
@@ -38,6 +40,9 @@ def simworker(
                                                      "the start-up runs from then. Default: now.")] = None,
     weight_load_s: Annotated[float, typer.Option(help="Simulated time of a snapshot load.")] = 2.0,
     role_switch_s: Annotated[float, typer.Option(help="Simulated time of a role switch.")] = 1.0,
+    decode_graph_gb: Annotated[float, typer.Option(help="Memory of its decode CUDA graphs (GB).")] = 2.0,
+    graph_headroom_gb: Annotated[float, typer.Option(help="Memory a graph capture on a flip to decode may "
+                                                          "take (GB).")] = 8.0,
     capacity: Annotated[int | None, typer.Option(help="KV cache tokens (default: the performance model's).")]
     = None,
     run_dir: Annotated[str | None, typer.Option(help="Local directory reported as model_path without a snapshot.")]
@@ -68,13 +73,18 @@ def simworker(
         raise BadInput(f"--tp: at least 1, not {tp}")
     if launched_at is not None and not 0 < launched_at <= time.time() + 60:
         raise BadInput(f"--launched-at: epoch seconds no later than now, not {launched_at}")
+    for name, value in (("--decode-graph-gb", decode_graph_gb), ("--graph-headroom-gb", graph_headroom_gb)):
+        if value < 0:
+            raise BadInput(f"{name}: at least 0, not {value}")
     if capacity is not None and capacity < 1:
         raise BadInput(f"--capacity: at least 1 token, not {capacity}")
     cfg = SimConfig(port=port, host=host, role=the_role, model=model, gpu=gpu, tp=tp, worker_id=worker_id,
                     generation=generation, fence=fence, speed=speed, bootstrap_port=bootstrap_port,
                     model_path=model_path, weight_version=weight_version, enable_memory_saver=enable_memory_saver,
-                    enable_pd_role_switch=enable_pd_role_switch, startup_s=startup_s, launched_at=launched_at,
-                    weight_load_s=weight_load_s, role_switch_s=role_switch_s, capacity=capacity, run_dir=run_dir)
+                    enable_weights_cpu_backup=enable_weights_cpu_backup, enable_pd_role_switch=enable_pd_role_switch,
+                    startup_s=startup_s, launched_at=launched_at,
+                    weight_load_s=weight_load_s, role_switch_s=role_switch_s, decode_graph_gb=decode_graph_gb,
+                    graph_headroom_gb=graph_headroom_gb, capacity=capacity, run_dir=run_dir)
     import asyncio
 
     asyncio.run(serve(cfg))

@@ -30,6 +30,7 @@ class FakeServer:
     aborted: int = 0  # requests aborted by pause_generation
     hung: bool = False  # alive but answering nothing (a stuck collective, say)
     commands: list[str] = field(default_factory=list)
+    graph_gb_told: float | None = None  # the decode graph memory its last role switch was told
 
 
 class FakeServers:
@@ -42,6 +43,7 @@ class FakeServers:
         self.hang_launch = threading.Event()  # set: launch blocks until cleared (a step stuck mid-way)
         self.in_launch = 0  # launches blocked right now
         self.most_in_launch = 0
+        self.refuse_switch = False  # set: a flip answers 400 as SGLang does without room for its decode graphs
 
     def client(self, endpoint: str, fence: int | None = None) -> FakeClient:
         return FakeClient(self, endpoint, fence)
@@ -153,11 +155,18 @@ class FakeClient:
     def resume_memory_occupation(self) -> None:
         self._s("resume").released = False
 
-    def pd_role_switch(self, new_role: str) -> None:
+    def pd_role_switch(self, new_role: str, decode_cuda_graph_memory_gb: float | None = None) -> None:
         s = self._s(f"switch:{new_role}")
         if s.running:
             raise DriverError(f"{self.endpoint}: a role switch needs an idle server")
+        if self.servers.refuse_switch:
+            raise DriverError(f"{self.endpoint}/pd_role_switch: 400: insufficient decode CUDA graph headroom",
+                              status=400)
+        s.graph_gb_told = decode_cuda_graph_memory_gb
         s.role = Role(new_role)
+
+    def graph_memory_gb(self) -> float:
+        return 2.0 if self._s().role is Role.DECODE else 0.0
 
     def update_weights_from_disk(self, model_path: str, weight_version: int) -> None:
         self._s(f"load:{weight_version}").weight_version = weight_version

@@ -37,7 +37,7 @@ class SimDriver(ProcessDriver):
         if spec.role in (Role.PREFILL, Role.DECODE):
             argv.append("--enable-pd-role-switch")
         if spec.overlap:
-            argv.append("--enable-memory-saver")
+            argv += ["--enable-memory-saver", "--enable-weights-cpu-backup"]
         if spec.weights is not None:
             argv += ["--model-path", spec.weights.uri, "--weight-version", str(spec.weights.version)]
         argv += list(self.extra_args)

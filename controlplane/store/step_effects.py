@@ -76,6 +76,15 @@ def claimed_step(session: Session, step_id: int, fence: int, *, applying: bool =
                        StepAction(row["action"]), dict(row["args"] or {}), row["expansion_group"], row["fence"])
 
 
+def claim_state(session: Session, step_id: int, fence: int) -> str | None:
+    """None while the claim under `fence` still drives the step and its worker and its plan applies;
+    else "claim" or "plan", what stopped it (no lock; `claim_state` in queries.sql)."""
+    row = session.execute(query("claim_state"), {"step_id": step_id, "fence": fence}).first()
+    if row is None or not row.claim_holds:
+        return "claim"
+    return None if row.plan_applies else "plan"
+
+
 def _stamp(session: Session, step: ClaimedStep) -> None:
     """The worker was last changed under this claim (the trigger refuses an older fence)."""
     session.execute(update(Worker).where(Worker.id == step.worker_id).values(last_fence=step.fence)
@@ -148,6 +157,9 @@ def end(session: Session, step: ClaimedStep, *, endpoint: str | None = None,
         role = Role(step.args["role"])
         if w.role is not role:
             transitions.set_role(session, w.id, role)
+        if endpoint is not None and w.endpoint != endpoint:  # refused in place, restarted in the new role
+            session.execute(update(Worker).where(Worker.id == w.id).values(endpoint=endpoint)
+                            .execution_options(synchronize_session=False))
     elif a is StepAction.ROUTER_SYNC:
         session.execute(update(Router).where(Router.stopped_at.is_(None)).values(mode=step.args["mode"])
                         .execution_options(synchronize_session=False))

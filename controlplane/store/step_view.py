@@ -46,3 +46,11 @@ def worker_view(session: Session, worker_id: int) -> WorkerView:
         model=fleet.model or "", gpu=fleet.gpu or "",
         trainer_version=int(latest.weights_version) if latest else 0, snapshot=latest.snapshot if latest else None,
     )
+
+
+def decode_peer_endpoints(session: Session, worker_id: int, limit: int = 3) -> list[str]:
+    """Endpoints of serving decode workers other than `worker_id` (one fleet: one model, GPU and TP):
+    where a flip to decode reads the memory its decode graphs will take."""
+    return list(session.scalars(select(Worker.endpoint).where(
+        Worker.role == Role.DECODE, Worker.activity == Activity.ACTIVE, Worker.endpoint.is_not(None),
+        Worker.id != worker_id).order_by(Worker.id).limit(limit)))

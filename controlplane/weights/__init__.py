@@ -60,23 +60,27 @@ def check_snapshot(uri: str) -> Snapshot:
         raise BadInput(f"snapshot: {exc}") from None
 
 
-def write_snapshot(state_dict: dict[str, Any], directory: str | Path, *, version: int | None = None) -> Snapshot:
-    """Write a torch state dict as a snapshot (safetensors and its manifest) in `directory`."""
+def write_snapshot(state_dict: dict[str, Any], directory: str | Path, *, version: int | None = None,
+                   model_dir: str | Path | None = None) -> Snapshot:
+    """Write a torch state dict as a snapshot (safetensors and its manifest) in `directory`; with
+    `model_dir` (a Hugging Face model folder) its config and tokenizer files go beside them, so that
+    SGLang loads the snapshot as a model."""
     try:
-        return write_state_dict(directory, state_dict, version=version)
+        return write_state_dict(directory, state_dict, version=version, model_dir=model_dir)
     except SnapshotError as exc:
-        raise BadInput(f"state_dict: {exc}") from None
+        raise BadInput(f"{'model_dir' if 'model_dir' in str(exc) else 'state_dict'}: {exc}") from None
 
 
 def publish_weights(state_dict: dict[str, Any], directory: str | Path, *, step: int, version: int,
-                    cp: Any = None, group: Any = None, actor: str = "trainer") -> dict[int, str]:
+                    cp: Any = None, group: Any = None, actor: str = "trainer",
+                    model_dir: str | Path | None = None) -> dict[int, str]:
     """Write the snapshot, then report the training step's end with it: every serving worker is
     brought to `version` (`cp`: a ControlPlane; default: a new one on PEARL_DATABASE_URL). With a
     sync group (`broadcast.SyncGroup`, set up), its members get the tensors by broadcast first; the
     others, and any member the broadcast did not reach, by the snapshot. Worker id -> how."""
     from pearl.controlplane.api import ControlPlane
 
-    snap = write_snapshot(state_dict, directory, version=version)
+    snap = write_snapshot(state_dict, directory, version=version, model_dir=model_dir)
     delivered: dict[int, str] = {}
     if group is not None:
         results = group.broadcast(state_dict, version, {n: t.sha256 for n, t in snap.info.items()})

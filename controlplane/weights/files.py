@@ -226,13 +226,36 @@ def tensor_bytes(tensor: Any) -> tuple[str, list[int], memoryview]:
     return TORCH_DTYPES[name], list(t.shape), memoryview(flat.numpy()).cast("B")
 
 
+MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+               "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
+               "chat_template.jinja", "preprocessor_config.json")
+
+
+def copy_model_files(model_dir: str | Path, directory: str | Path) -> list[str]:
+    """The files beside a model's weights that a server needs to load it (its config and tokenizer),
+    copied from a Hugging Face model folder into a snapshot; the ones copied. SnapshotError when the
+    folder has no `config.json` (SGLang cannot load a folder without one)."""
+    src, out = Path(model_dir), Path(directory)
+    if not (src / "config.json").is_file():
+        raise SnapshotError(f"model_dir {src}: no config.json (a Hugging Face model folder is needed)")
+    copied = []
+    for name in MODEL_FILES:
+        if (src / name).is_file():
+            (out / name).write_bytes((src / name).read_bytes())
+            copied.append(name)
+    return copied
+
+
 def write_state_dict(directory: str | Path, state_dict: dict[str, Any], *, version: int | None = None,
-                     file_name: str = "model.safetensors") -> Snapshot:
+                     file_name: str = "model.safetensors", model_dir: str | Path | None = None) -> Snapshot:
     """Write a torch state dict (or a dict of numpy arrays) as a snapshot (one safetensors file and its
     manifest with dtypes, shapes and sha256 per tensor); the manifest is written last, so a reader never
-    sees it before the data."""
+    sees it before the data. `model_dir`: a Hugging Face model folder whose config and tokenizer files
+    are copied beside the weights, so that SGLang loads the snapshot as a model."""
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
+    if model_dir is not None:
+        copy_model_files(model_dir, out)
     header: dict[str, Any] = {}
     blobs: list[memoryview] = []
     info: dict[str, TensorInfo] = {}

@@ -72,7 +72,8 @@ CASES = [(role, tp, overlap, weights) for role in (Role.COLOCATED, Role.PREFILL,
 
 
 def test_every_command_line_the_driver_builds_parses_with_sglangs_own_parser(tmp_path: Path) -> None:
-    driver = SglangDriver(tmp_path, transfer_backend="mooncake")
+    driver = SglangDriver(tmp_path, transfer_backend="mooncake", model_path="Qwen/Qwen3-8B", ib_device="mlx5_0",
+                          extra_args=("--mem-fraction-static", "0.8"))
     built = []
     for i, (role, tp, overlap, weights) in enumerate(CASES):
         argv, _ = driver.command(spec_of(i, role, tp, overlap, weights), 31000 + i, 32000 + i)
@@ -81,16 +82,30 @@ def test_every_command_line_the_driver_builds_parses_with_sglangs_own_parser(tmp
     for (role, tp, overlap, weights), argv, verdict in zip(CASES, built, parse(built), strict=True):
         assert verdict["ok"], (argv, verdict["error"])
         args = verdict["args"]
-        assert args["model_path"] == (weights.uri if weights else "qwen3-8b")
+        assert args["model_path"] == (weights.uri if weights else "Qwen/Qwen3-8B")
         assert args["served_model_name"] == "qwen3-8b" and args["tp_size"] == tp and args["host"] == "127.0.0.1"
         assert args["weight_version"] == (str(weights.version) if weights else "default")
-        assert args["enable_memory_saver"] is overlap
+        assert args["enable_memory_saver"] is overlap and args["enable_weights_cpu_backup"] is overlap
+        assert args["mem_fraction_static"] == 0.8
         if role is Role.COLOCATED:
             assert args["disaggregation_mode"] == "null" and args["enable_pd_role_switch"] is False
         else:
             assert args["disaggregation_mode"] == role.value and args["enable_pd_role_switch"] is True
             assert args["disaggregation_transfer_backend"] == "mooncake"
+            assert args["disaggregation_ib_device"] == "mlx5_0"
             assert args["disaggregation_bootstrap_port"] == int(argv[argv.index("--disaggregation-bootstrap-port") + 1])
+
+
+def test_every_transfer_backend_the_agent_offers_is_one_sglang_knows(tmp_path: Path) -> None:
+    from pearl.cli.agent import TRANSFER_BACKENDS
+
+    argvs = []
+    for backend in TRANSFER_BACKENDS:
+        driver = SglangDriver(tmp_path, transfer_backend=backend, model_path="m")
+        argvs.append(driver.command(spec_of(0, Role.PREFILL, 1, False, None), 31000, 32000)[0][3:])
+    verdicts = parse(argvs)
+    assert all(v["ok"] for v in verdicts), [v.get("error") for v in verdicts]
+    assert [v["args"]["disaggregation_transfer_backend"] for v in verdicts] == list(TRANSFER_BACKENDS)
 
 
 def test_sglangs_parser_refuses_what_it_does_not_know() -> None:
@@ -155,6 +170,7 @@ def test_every_request_of_the_agents_client_is_one_sglang_takes(recorder: Thread
     client.server_info()
     client.model_info()
     client.is_idle()
+    client.graph_memory_gb()
     for mode in ("abort", "retract", "in_place"):
         client.pause_generation(mode)
     client.continue_generation()

@@ -102,7 +102,8 @@ def test_switching_colocated_2p2d_1p3d_colocated_fails_no_request(driver, door):
 
         # 2P2D -> 1P3D: prefill 2 drains and flips to decode in place
         drain(front, servers[2])
-        assert ServerClient(servers[2].endpoint, fence=3).pd_role_switch("decode")["new_role"] == "decode"
+        assert ServerClient(servers[2].endpoint, fence=3).pd_role_switch(
+            "decode", decode_cuda_graph_memory_gb=2.0)["new_role"] == "decode"
         check_role(servers[2], Role.DECODE)
         front.register(servers[2].endpoint, Role.DECODE)
         assert sorted(w["worker_type"] for w in front.state()["children"]["split"]["workers"]) == [

@@ -52,8 +52,24 @@ def test_command_lines_per_role_and_tp(tmp_path, role, tp, overlap):
     else:
         assert f["--disaggregation-mode"] == role.value and f["--disaggregation-bootstrap-port"] == "32000"
         assert f["--disaggregation-transfer-backend"] == "mooncake" and f["--enable-pd-role-switch"] is True
-    assert ("--enable-memory-saver" in f) == overlap
+    assert ("--enable-memory-saver" in f) == ("--enable-weights-cpu-backup" in f) == overlap
     assert f["--disaggregation-ib-device"] == "mlx5_0"
+
+
+@pytest.mark.unit
+def test_a_server_needs_a_model_sglang_can_load(tmp_path):
+    """Before any snapshot: the driver's model path (the catalog's name is not a model SGLang can load);
+    a snapshot folder without the model's config is refused before the launch."""
+    with pytest.raises(DriverError, match=r"no weight snapshot is registered.*--model-path"):
+        SglangDriver(tmp_path).command(sg_spec(0, Role.COLOCATED), 1, None)
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "model.safetensors").write_bytes(b"")
+    with pytest.raises(DriverError, match="has no config.json"):
+        SglangDriver(tmp_path).command(sg_spec(0, Role.COLOCATED, weights=WeightsRef(2, str(bare))), 1, None)
+    (bare / "config.json").write_text("{}")
+    argv, _ = SglangDriver(tmp_path).command(sg_spec(0, Role.COLOCATED, weights=WeightsRef(2, str(bare))), 1, None)
+    assert argv[argv.index("--model-path") + 1] == str(bare)
 
 
 @pytest.mark.unit
@@ -68,7 +84,8 @@ def test_a_worker_needs_as_many_devices_as_its_tp(tmp_path):
 @pytest.fixture
 def standin_driver(tmp_path):
     path = os.pathsep.join([str(STANDIN), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    driver = SglangDriver(tmp_path / "node", env={"PYTHONPATH": path, "PEARL_STANDIN_SPEED": "25"})
+    driver = SglangDriver(tmp_path / "node", env={"PYTHONPATH": path, "PEARL_STANDIN_SPEED": "25"},
+                          model_path="Qwen/Qwen3-8B")
     yield driver
     for server in driver.servers():
         driver.stop(server.worker_id, grace_s=5)
@@ -85,7 +102,7 @@ def test_launch_flip_and_stop_against_the_standin(standin_driver):
     client = ServerClient(prefill.endpoint, fence=2)
     assert client.model_info()["disaggregation_mode"] == "prefill"
     assert client.server_info()["disaggregation_bootstrap_port"] == prefill.bootstrap_port
-    client.pd_role_switch("decode")
+    client.pd_role_switch("decode", decode_cuda_graph_memory_gb=2.0)
     assert client.model_info()["disaggregation_mode"] == "decode"
     ServerClient(decode.endpoint).release_memory_occupation()  # launched with the memory saver
     pids = [prefill.pid, decode.pid]

@@ -137,7 +137,7 @@ def test_older_fences_are_refused_and_change_nothing(driver):
     with pytest.raises(DriverError, match="409.*fence 6 is older than 7"):
         ServerClient(server.endpoint, fence=6).pd_role_switch("decode")
     assert ServerClient(server.endpoint).model_info()["disaggregation_mode"] == "prefill"
-    ServerClient(server.endpoint, fence=8).pd_role_switch("decode")
+    ServerClient(server.endpoint, fence=8).pd_role_switch("decode", decode_cuda_graph_memory_gb=2.0)
     with pytest.raises(DriverError, match="409") as refused:
         ServerClient(server.endpoint, fence=7).pause_generation()
     assert refused.value.status == 409  # what a step reads to know a newer claim commands the server
@@ -342,3 +342,81 @@ def test_sigkill_leaves_nothing_and_a_new_driver_adopts_running_servers(driver, 
     again.wait_ready(newer, 60)
     assert ServerClient(newer.endpoint).model_info()["disaggregation_mode"] == "decode"
     assert again.stop(13, grace_s=5)
+
+
+def test_a_cache_flush_needs_an_idle_scheduler_as_sglangs_does(driver, tmp_path):
+    """SGLang flushes only a fully idle scheduler: a request paused in place still counts (the update
+    is applied, the call fails), a retracted one waiting does not; a bare flush while one runs fails."""
+    snap = write_snapshot(tmp_path / "v2", {"model.embed": b"\x01" * 64})
+    server = driver.launch(spec(10, Role.COLOCATED))
+    driver.wait_ready(server, 60)
+    client = ServerClient(server.endpoint, fence=1)
+    t, box = in_background(generate, server, 50000)
+    deadline = time.monotonic() + 10
+    while client.is_idle():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    with pytest.raises(DriverError, match="400: Flush cache failed"):
+        client.flush_cache()
+    client.pause_generation("in_place")
+    with pytest.raises(DriverError, match="Weights were updated, but the cache was not flushed"):
+        client.update_weights_from_disk(str(snap), weight_version=2)
+    assert client.model_info()["weight_version"] == "2"  # as SGLang: the weights moved, the flush did not
+    client.continue_generation()
+    client.pause_generation("retract")
+    assert client.update_weights_from_disk(str(snap), weight_version=3)["success"]
+    assert client.flush_cache().startswith("Cache flushed")
+    client.pause_generation("abort")
+    client.continue_generation()
+    t.join(30)
+    assert box["result"]["meta_info"]["finish_reason"]["type"] == "abort"
+
+
+def test_a_flip_to_decode_is_told_the_memory_of_the_decode_graphs_it_will_capture(driver):
+    """As SGLang: a server that never captured decode graphs needs `decode_cuda_graph_memory_gb` (what a
+    decode peer reports) and room for it; once captured, a flip back needs nothing."""
+    prefill = driver.launch(spec(11, Role.PREFILL))
+    decode = driver.launch(spec(12, Role.DECODE))
+    driver.wait_ready(prefill, 60)
+    driver.wait_ready(decode, 60)
+    client = ServerClient(prefill.endpoint, fence=1)
+    assert client.graph_memory_gb() == 0.0 and ServerClient(decode.endpoint).graph_memory_gb() == 2.0
+    with pytest.raises(DriverError, match="400: decode_cuda_graph_memory_gb is required"):
+        client.pd_role_switch("decode")
+    with pytest.raises(DriverError, match="400: insufficient decode CUDA graph headroom"):
+        client.pd_role_switch("decode", decode_cuda_graph_memory_gb=80.0)
+    assert client.model_info()["disaggregation_mode"] == "prefill"
+    client.pd_role_switch("decode", decode_cuda_graph_memory_gb=ServerClient(decode.endpoint).graph_memory_gb())
+    assert client.graph_memory_gb() == 2.0
+    client.pd_role_switch("prefill")
+    client.pd_role_switch("decode")  # its graphs were captured on the first flip
+    assert client.model_info()["disaggregation_mode"] == "decode"
+
+
+def test_weights_released_without_a_cpu_backup_come_back_uninitialised(tmp_path):
+    """As SGLang's memory saver: without `--enable-weights-cpu-backup` a release and resume of the
+    weights leaves their memory uninitialised (the reported checksum says so); pearl's drivers always
+    ask for the backup."""
+    snap = write_snapshot(tmp_path / "v1", {"model.embed": b"\x01" * 64})
+    plain = SimDriver(tmp_path / "run", speed=SPEED, extra_args=("--enable-memory-saver",))
+    try:
+        server = plain.launch(spec(13, Role.COLOCATED, weights=WeightsRef(1, str(snap))))
+        plain.wait_ready(server, 60)
+        client = ServerClient(server.endpoint, fence=1)
+        before = client.model_info()["weights_checksum"]
+        client.release_memory_occupation()
+        client.resume_memory_occupation()
+        assert before is not None and client.model_info()["weights_checksum"] == "uninitialised"
+    finally:
+        plain.stop(13, grace_s=5)
+    backed = SimDriver(tmp_path / "run2", speed=SPEED)
+    try:
+        server = backed.launch(spec(14, Role.COLOCATED, overlap=True, weights=WeightsRef(1, str(snap))))
+        backed.wait_ready(server, 60)
+        client = ServerClient(server.endpoint, fence=1)
+        before = client.model_info()["weights_checksum"]
+        client.release_memory_occupation()
+        client.resume_memory_occupation()
+        assert client.model_info()["weights_checksum"] == before
+    finally:
+        backed.stop(14, grace_s=5)

@@ -131,10 +131,32 @@ def test_two_agents_enact_colocated_2p2d_1p3d_colocated(fleet: Fleet) -> None:
             assert server.alive and server.role is role and not server.released
             assert fleet.front_door.workers[endpoints[wid]] == role.value
         assert fleet.front_door.mode == mode
-    # 2P2D -> 1P3D flipped one prefill server in place; the mode changes restarted every server
+    # 2P2D -> 1P3D flipped one prefill server in place, telling it a decode peer's graph memory; the
+    # mode changes restarted every server
+    flipped = [s for s in fleet.servers.by_endpoint.values() if "switch:decode" in s.commands]
     flips = [c for s in fleet.servers.by_endpoint.values() for c in s.commands if c.startswith("switch:")]
-    assert flips == ["switch:decode"]
+    assert flips == ["switch:decode"] and flipped[0].graph_gb_told == 2.0
     assert fleet.servers.launches == 4 + 4 + 4  # colocated, split, colocated again
+
+
+def test_a_server_that_refuses_a_role_switch_is_restarted_in_the_new_role(fleet: Fleet) -> None:
+    """SGLang refuses a flip to decode without room for its decode graphs (400): the step restarts the
+    server in the new role, and the rows carry the new server's endpoint."""
+    fleet.start("node-a")
+    fleet.start("node-b")
+    assert apply_and_wait(fleet.engine, target(prefill=2, decode=2))["status"] == "succeeded"
+    launches = fleet.servers.launches
+    fleet.servers.refuse_switch = True
+    summary = apply_and_wait(fleet.engine, target(prefill=1, decode=3))
+    assert summary["status"] == "succeeded", summary["error"]
+    assert fleet.servers.launches == launches + 1
+    with transaction(fleet.engine) as session:
+        endpoints = dict(session.execute(select(Worker.id, Worker.endpoint)).all())
+    for wid, (activity, role) in roles(fleet.engine).items():
+        server = fleet.servers.by_endpoint[endpoints[wid]]
+        assert activity is Activity.ACTIVE and server.alive and server.role is role
+        assert fleet.front_door.workers[endpoints[wid]] == role.value
+    assert Counter(r for _, r in roles(fleet.engine).values()) == {Role.PREFILL: 1, Role.DECODE: 3}
 
 
 def test_an_agent_that_dies_mid_step_is_rescued_and_the_step_takes_effect_once(fleet: Fleet) -> None:

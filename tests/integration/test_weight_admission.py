@@ -247,3 +247,27 @@ def test_status_shows_each_workers_weights_version_and_lag(db_engine: Engine, da
     done = subprocess.run([str(PEARLCTL), "status"], env={**env, "COLUMNS": "200"}, cwd=REPO, capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 0 and "trainer at weights version 1" in done.stdout and "v1 queued" in done.stdout
+
+
+@pytest.mark.parametrize("lost", ["lease", "newer_fence", "plan"])
+def test_a_command_is_not_sent_once_the_claim_no_longer_holds(db_engine: Engine, tmp_path: Path, no_broker: None,
+                                                              lost: str) -> None:
+    """Stock SGLang ignores `X-Pearl-Fence`: before each command the step reads its claim in the rows,
+    and one whose lease ran out, whose worker a newer claim changed, or whose plan stopped sends
+    nothing more."""
+    from pearl.agents.steps import StepCancelled
+
+    servers, front_door, driver, _, step = at_load_weights(db_engine, tmp_path)
+    with transaction(db_engine) as s:
+        if lost == "lease":
+            s.execute(text("UPDATE plan_steps SET lease_until = pearl_now() - interval '1 second' WHERE id = :id"),
+                      {"id": step["id"]})
+        elif lost == "newer_fence":
+            s.execute(text("UPDATE workers SET last_fence = :f WHERE id = 1"), {"f": step["fence"] + 1})
+    if lost == "plan":
+        plan_store.abort(db_engine, step["plan_id"])
+    ctx = context(db_engine, step, servers, driver, front_door, weights_s=5)
+    with pytest.raises(StepCancelled) as stopped:
+        load_weights(ctx)
+    assert stopped.value.reason == ("plan" if lost == "plan" else "claim")
+    assert not any(c.startswith("load") for s in servers.by_endpoint.values() for c in s.commands)

@@ -274,3 +274,9 @@ def test_the_demo_refuses_bad_options_before_it_starts_anything(tmp_path: Path, 
     assert json.loads(res.stdout)["field"] == field
     assert not (tmp_path / "home").exists()  # nothing started, nothing written
     no_traceback(res)
+
+
+def test_an_agent_with_a_transfer_backend_sglang_does_not_know_is_refused_before_it_connects() -> None:
+    res = invoke("agent", "--node", "node-a", "--driver", "sglang", "--transfer-backend", "tcp",
+                 env={"PEARL_DATABASE_URL": "postgresql://nobody@127.0.0.1:1/none"})
+    assert res.exit_code == 2 and "--transfer-backend: one of mooncake" in res.output

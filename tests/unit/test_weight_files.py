@@ -71,3 +71,17 @@ def test_the_broadcast_layout_packs_tensors_into_buckets_with_the_registered_che
     sent = {n: sha for b in buckets for n, sha in zip(b.names, b.sha256, strict=True)}
     assert sent == {n: i.sha256 for n, i in snap.info.items()}
     assert manifest_digest(snap.manifest()) == expected_checksum(buckets)
+
+
+def test_a_snapshot_written_with_its_model_folder_is_one_sglang_loads(tmp_path: Path) -> None:
+    model = tmp_path / "Qwen3-8B"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "qwen3"}')
+    (model / "tokenizer.json").write_text("{}")
+    (model / "model-00001-of-00004.safetensors").write_bytes(b"old weights are not copied")
+    snap = write_snapshot({"w": np.ones(4, dtype=np.float32)}, tmp_path / "v1", model_dir=model)
+    names = sorted(p.name for p in Path(snap.path).iterdir())
+    assert names == ["config.json", "manifest.json", "model.safetensors", "tokenizer.json"]
+    assert check_snapshot(snap.path).tensors == 1
+    with pytest.raises(BadInput, match="model_dir .*: no config.json"):
+        write_snapshot({"w": np.ones(4, dtype=np.float32)}, tmp_path / "v2", model_dir=tmp_path / "v1" / "nothing")

@@ -66,6 +66,18 @@ WHERE s.id = :step_id AND s.fence = :fence AND s.status = 'running'
 FOR UPDATE OF s
 FOR SHARE OF p;
 
+-- name: claim_state
+-- What a command to a server is checked against (agents/steps.py, `StepContext.guard`): whether the
+-- caller's claim still holds (the step runs under :fence, its lease not expired, no newer claim
+-- changed the worker) and whether its plan still applies. No lock: a check, not a write.
+SELECT (s.fence = :fence AND s.status = 'running' AND s.lease_until > pearl_now()
+        AND COALESCE(w.last_fence, 0) <= :fence) AS claim_holds,
+       p.status = 'applying' AS plan_applies
+FROM plan_steps s
+JOIN plans p ON p.id = s.plan_id
+JOIN workers w ON w.id = s.worker_id
+WHERE s.id = :step_id;
+
 -- name: finish_step
 -- The fenced compare-and-set an agent reports with: succeeded, failed or cancelled, only under its
 -- own claim.

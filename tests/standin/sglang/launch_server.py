@@ -27,6 +27,7 @@ parser.add_argument("--disaggregation-transfer-backend", default="mooncake",
 parser.add_argument("--disaggregation-ib-device")
 parser.add_argument("--enable-pd-role-switch", action="store_true")
 parser.add_argument("--enable-memory-saver", action="store_true")
+parser.add_argument("--enable-weights-cpu-backup", action="store_true")
 parser.add_argument("--load-format", default="auto")
 parser.add_argument("--skip-tokenizer-init", action="store_true")
 args = parser.parse_args()
@@ -45,6 +46,8 @@ if args.enable_pd_role_switch:
     argv.append("--enable-pd-role-switch")
 if args.enable_memory_saver:
     argv.append("--enable-memory-saver")
+if args.enable_weights_cpu_backup:
+    argv.append("--enable-weights-cpu-backup")
 path = Path(args.model_path)
 if path.exists() and (path.is_file() or any(path.glob("*.safetensors"))):
     argv += ["--model-path", str(path)]
