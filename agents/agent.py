@@ -51,6 +51,8 @@ from pearl.controlplane.store.transitions import lock_fleet
 
 log = logging.getLogger("pearl.agent")
 THREAD_JOIN_S = 15.0  # at shutdown, how long the listener and a watch pass in progress may take to end
+DB_RETRY_FIRST_S = 0.2  # a step whose database call failed runs again after this, doubling ...
+DB_RETRY_MAX_S = 5.0  # ... up to this (its claim bounds the whole)
 
 
 @dataclass(frozen=True)
@@ -242,7 +244,7 @@ class Agent:
         key = ctx.step["key"]
         try:
             try:
-                HANDLERS[ctx.action](ctx)
+                self._run_handler(ctx)
             finally:
                 ctx.finishing = True
             log.info("%s succeeded", key, extra={"action": "step_success"})
@@ -261,6 +263,23 @@ class Agent:
                 if self._in_hand.get(ctx.id) is ctx:
                     del self._in_hand[ctx.id]
             self._wake.set()
+
+    def _run_handler(self, ctx: StepContext) -> None:
+        """The step's handler; run again while the database is away or gives up on a statement (a
+        dropped connection, a cancelled statement, a deadlock): handlers are idempotent, and the step
+        is not the database's fault. The claim decides how long: once it is lost (the lease ran out and
+        the reaper handed the step on) or the step is stopped, the step ends."""
+        wait_s = DB_RETRY_FIRST_S
+        while True:
+            try:
+                HANDLERS[ctx.action](ctx)
+                return
+            except DatabaseUnavailable as exc:
+                log.warning("%s: %s; the step runs again in %.1f s", ctx.step["key"], exc, wait_s,
+                            extra={"action": "step_database_retry"})
+            ctx.cancel.wait(wait_s)
+            ctx.check()
+            wait_s = min(wait_s * 2, DB_RETRY_MAX_S)
 
     def _stopped(self, ctx: StepContext, reason: str) -> None:
         if reason == "plan":

@@ -57,9 +57,11 @@ def agent(
     reaper hands them to the next agent)."""
     from pearl.agents.agent import Agent, AgentConfig
     from pearl.agents.drivers import DRIVERS, make_driver
+    from pearl.controlplane.core.inventory import check_node_name
     from pearl.controlplane.services.settings import get_settings
     from pearl.controlplane.store.db import make_engine, require_schema
 
+    check_node_name("--node", node)
     if driver not in DRIVERS:
         raise BadInput(f"--driver: one of {', '.join(DRIVERS)}, not {driver!r}")
     if transfer_backend not in TRANSFER_BACKENDS:

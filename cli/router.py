@@ -56,7 +56,7 @@ def serve(
     cfg = FrontDoorConfig(port=port, host=host, mode=mode or "colocated", run_dir=str(run_dir) if run_dir else None,
                           hold_s=hold_s, max_held=max_held)
     if engine is not None:
-        threading.Thread(target=_register_when_listening, args=(engine, cfg), daemon=True).start()
+        threading.Thread(target=_register_then_beat, args=(engine, cfg), daemon=True).start()
     try:
         import asyncio
 
@@ -71,9 +71,17 @@ def serve(
             engine.dispose()
 
 
-def _register_when_listening(engine: object, cfg: object, timeout_s: float = 120.0) -> None:
+def _register_then_beat(engine: object, cfg: object) -> None:
+    if _register_when_listening(engine, cfg):
+        _heartbeat(engine)
+
+
+def _register_when_listening(engine: object, cfg: object, timeout_s: float = 120.0,
+                             retry_max_s: float = 5.0) -> bool:
     """Record the front door in pearl's database (`routers`), where the agents find it, once it
-    answers: an agent never registers a worker with a front door that is not listening yet."""
+    answers: an agent never registers a worker with a front door that is not listening yet. A database
+    that does not answer (or gives up on the statement) is tried again until it does: the front door
+    is no use to the agents until its row is there."""
     import time
 
     import httpx
@@ -81,18 +89,31 @@ def _register_when_listening(engine: object, cfg: object, timeout_s: float = 120
 
     url = f"http://{cfg.host}:{cfg.port}"  # type: ignore[attr-defined]
     deadline = time.monotonic() + timeout_s
+    wait_s = 0.1
     while time.monotonic() < deadline:
         try:
             resp = httpx.get(url + "/pearl/state", timeout=2.0)
-            if resp.status_code == 200:  # the mode it serves: a restart restores it from its run dir
-                mode = resp.json().get("mode") or cfg.mode  # type: ignore[attr-defined]
-                register_router(engine, url=url, admin_url=url, host=cfg.host,  # type: ignore[arg-type,attr-defined]
-                                pid=os.getpid(), mode=mode)
-                _heartbeat(engine)
-                return
-        except (httpx.HTTPError, ValueError):
-            pass
-        time.sleep(0.1)
+        except httpx.HTTPError:
+            time.sleep(0.1)
+            continue
+        if resp.status_code != 200:
+            time.sleep(0.1)
+            continue
+        try:  # the mode it serves: a restart restores it from its run dir
+            mode = resp.json().get("mode") or cfg.mode  # type: ignore[attr-defined]
+        except ValueError:
+            mode = cfg.mode  # type: ignore[attr-defined]
+        try:
+            register_router(engine, url=url, admin_url=url, host=cfg.host,  # type: ignore[arg-type,attr-defined]
+                            pid=os.getpid(), mode=mode)
+        except PearlError as exc:  # the database away or busy: no deadline, the agents need the row
+            print(f"front door: registering: {exc}; trying again in {wait_s:.1f} s", file=sys.stderr, flush=True)
+            time.sleep(wait_s)
+            wait_s = min(wait_s * 2, retry_max_s)
+            deadline = max(deadline, time.monotonic() + retry_max_s)
+            continue
+        return True
+    return False
 
 
 def _heartbeat(engine: object) -> None:

@@ -36,13 +36,12 @@ def worker(
 ) -> None:
     """Run a node's weight-sync worker until SIGTERM."""
     from pearl.agents import celery_app
-    from pearl.controlplane.errors import BadInput
+    from pearl.controlplane.core.inventory import check_node_name
     from pearl.controlplane.services import embedded
     from pearl.controlplane.store.db import require_schema
     from pearl.controlplane.weights.dispatch import queue_name
 
-    if not node.strip():
-        raise BadInput("--node: a node name is required")
+    check_node_name("--node", node)
     setup_logging(json_logs)
     broker = embedded.broker_url()
     require_schema(celery_app.engine())

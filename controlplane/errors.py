@@ -23,6 +23,11 @@ class DatabaseUnavailable(PearlError):
     """The database does not answer."""
 
 
+class DatabaseBusy(DatabaseUnavailable):
+    """The database cancelled or aborted the statement (a timeout, a deadlock, a serialization failure, a
+    lock not available): nothing it did was kept, and it can be tried again."""
+
+
 class NodeTaken(PearlError):
     """Another agent runs this node."""
 

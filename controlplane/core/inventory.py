@@ -7,7 +7,9 @@ anything is written.
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import json
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -18,7 +20,7 @@ from pearl.controlplane.core.profile import Rollout
 from pearl.controlplane.core.validation import format_validation
 from pearl.controlplane.core.workload import Workload
 from pearl.controlplane.errors import BadInput
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 # Sane limits: far above any real cluster, low enough that a typo (`gpus: 1000000000`) is refused at
 # once instead of filling memory.
@@ -32,11 +34,45 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+# A node's name becomes a folder (`$PEARL_HOME/run/NAME`), a Celery queue (`node.NAME`) and a log field:
+# letters, digits, `.`, `_` and `-`, starting with a letter or digit (so never `..` or `/`).
+NODE_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
+# A node's address is where its servers listen: a host name or an IP address, nothing else (no scheme,
+# port, path or query: the servers' URLs are built from it).
+_HOST_NAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}"
+                        r"[A-Za-z0-9])?)*$")
+
+
+def check_node_name(option: str, value: str) -> str:
+    """A node name given on a command line (`--node`), held to the inventory's rule before it names a
+    folder or a queue."""
+    if not re.match(NODE_NAME_PATTERN, value):
+        raise BadInput(f"{option}: a node name (letters, digits, '.', '_' and '-', starting with a letter or "
+                       f"digit, at most 63), not {value!r}")
+    return value
+
+
+def check_address(value: str) -> str:
+    try:
+        ipaddress.ip_address(value)
+        return value
+    except ValueError:
+        pass
+    if not _HOST_NAME.match(value):
+        raise ValueError(f"a host name or an IP address (no scheme, port or path), not {value!r}")
+    return value
+
+
 class InventoryNode(_Strict):
-    name: str = Field(min_length=1)  # unique in the inventory
+    name: str = Field(pattern=NODE_NAME_PATTERN)  # unique in the inventory
     zone: NodeZone
     gpus: int = Field(gt=0, le=MAX_GPUS_PER_NODE)  # a multiple of the inventory's tp
     address: str = Field(min_length=1)  # need not be unique: several nodes may share a host
+
+    @field_validator("address")
+    @classmethod
+    def _address(cls, value: str) -> str:
+        return check_address(value)
 
 
 class RolloutLoop(_Strict):

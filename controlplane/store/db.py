@@ -6,13 +6,21 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pearl.migrations
-from pearl.controlplane.errors import BadInput, ClaimLost, DatabaseUnavailable, IllegalTransition, PearlError
+from pearl.controlplane.errors import (
+    BadInput,
+    ClaimLost,
+    DatabaseBusy,
+    DatabaseUnavailable,
+    IllegalTransition,
+    PearlError,
+)
 from pearl.controlplane.services.embedded import database_url
 from pearl.controlplane.services.settings import redact_url
 from sqlalchemy import Engine, create_engine, text
@@ -40,6 +48,10 @@ EVENT_CONSTRAINTS = {
     "ck_training_steps_weights_version_non_negative": "weights_version: must be >= 0",
     "ck_training_steps_times_in_order": "step: its begin, start and end times must be in order",
 }
+# Statements the database cancelled or rolled back that succeed when tried again: query_canceled (a
+# statement_timeout, pg_cancel_backend), deadlock_detected, serialization_failure, lock_not_available,
+# idle_in_transaction_session_timeout.
+RETRYABLE_STATES = frozenset({"57014", "40P01", "40001", "55P03", "25P03"})
 _CONNECT_TIMEOUT_S = 5
 # The CHECK constraints that spell the state machine out: violating one is an illegal transition.
 # Any other CHECK (a count, an index, a distance) is plain invalid data.
@@ -58,11 +70,46 @@ class SchemaMissing(PearlError):
     """The database has no pearl schema: run `pearlctl init`."""
 
 
+# A connection that stops answering is found out: TCP keepalives (a peer gone quiet), a bound on
+# unacknowledged data (`tcp_user_timeout`: a partition while a statement is sent), and a statement the
+# server runs or waits on for longer than PEARL_STATEMENT_TIMEOUT_S (default 60; 0: none) is cancelled
+# (SQLSTATE 57014: DatabaseBusy, tried again). libpq ignores the TCP settings on a Unix socket.
+TCP_ARGS = {"keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 5, "keepalives_count": 3,
+            "tcp_user_timeout": 30_000}
+DEFAULT_STATEMENT_TIMEOUT_S = 60.0
+
+
+def statement_timeout_s() -> float:
+    raw = os.environ.get("PEARL_STATEMENT_TIMEOUT_S", "").strip()
+    if not raw:
+        return DEFAULT_STATEMENT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        raise BadInput(f"PEARL_STATEMENT_TIMEOUT_S: seconds (0: none), not {raw!r}") from None
+    if value < 0:
+        raise BadInput(f"PEARL_STATEMENT_TIMEOUT_S: seconds (0: none), not {raw!r}")
+    return value
+
+
+def connect_args(url: str) -> dict[str, Any]:
+    """libpq settings of every pearl connection: the connect timeout, TCP keepalives and
+    `tcp_user_timeout`, and the statement timeout (added to the URL's own `options`)."""
+    args: dict[str, Any] = {"connect_timeout": _CONNECT_TIMEOUT_S, **TCP_ARGS}
+    timeout = statement_timeout_s()
+    if timeout > 0:
+        own = make_url(url).query.get("options")
+        own = " ".join(own) if isinstance(own, tuple) else (own or "")
+        args["options"] = f"{own} -c statement_timeout={int(timeout * 1000)}".strip()
+    return args
+
+
 def make_engine(url: str | None = None, **kwargs) -> Engine:
-    """An engine on `url` (default: the configured or embedded database), psycopg 3 driver."""
+    """An engine on `url` (default: the configured or embedded database), psycopg 3 driver, with
+    `connect_args` (timeouts and keepalives)."""
     url = url or database_url()
-    connect_args = {"connect_timeout": _CONNECT_TIMEOUT_S, **kwargs.pop("connect_args", {})}
-    return create_engine(url, pool_pre_ping=True, connect_args=connect_args, **kwargs)
+    args = {**connect_args(str(url)), **kwargs.pop("connect_args", {})}
+    return create_engine(url, pool_pre_ping=True, connect_args=args, **kwargs)
 
 
 def _unavailable(engine_or_url: Engine | str, exc: BaseException) -> DatabaseUnavailable:
@@ -94,6 +141,9 @@ def translate(exc: DBAPIError, engine: Engine | None = None) -> PearlError | Non
             return BadInput(f"{EVENT_CONSTRAINTS[name]} (refused by {name})")
         message = f"refused by constraint {name}: {diag.message_primary if diag else orig}"
         return IllegalTransition(message) if name in STATE_CONSTRAINTS else PearlError(message)
+    if state in RETRYABLE_STATES:
+        return DatabaseBusy(f"the database gave up on the statement ({state}): "
+                            f"{diag.message_primary if diag else str(orig).strip()}")
     if engine is not None and _is_connection_failure(exc):
         return _unavailable(engine, exc)
     return None

@@ -11,6 +11,7 @@ import threading
 from collections.abc import Callable, Iterable
 
 import psycopg
+from pearl.controlplane.store.db import connect_args
 from sqlalchemy import Engine
 
 log = logging.getLogger("pearl.notifications")
@@ -26,7 +27,7 @@ def listen(engine: Engine, channels: Iterable[str], on_notify: Callable[[str, st
     backoff = 0.5
     while not stop.is_set():
         try:
-            with psycopg.connect(url, autocommit=True, connect_timeout=5) as conn:
+            with psycopg.connect(url, autocommit=True, **connect_args(url)) as conn:
                 for channel in channels:
                     conn.execute(f"LISTEN {channel}")
                 backoff = 0.5

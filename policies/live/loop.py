@@ -24,6 +24,7 @@ from pearl.controlplane.store.db import transaction
 from pearl.controlplane.store.notifications import listen
 from pearl.policies.live.tick import LEADER, TickResult, default_holder, tick
 from sqlalchemy import Engine
+from sqlalchemy.exc import DBAPIError
 
 log = logging.getLogger("pearl.loop")
 
@@ -78,6 +79,8 @@ class PolicyLoop:
                         log.warning("database unavailable: %s", exc, extra={"action": "database_unavailable"})
                     except PearlError as exc:
                         log.warning("pass failed: %s", exc, extra={"action": "tick_failed"})
+                    except DBAPIError as exc:  # an error pearl has no name for ends the pass, not the loop
+                        log.error("pass failed on a database error: %s", exc, extra={"action": "tick_failed"})
                 # the interval (and the lease's renewal, well within it) bounds the wait
                 self._wake.wait(max(0.0, last_pass + min(c.interval_s, c.lease_s / 3) - time.monotonic()))
                 self._wake.clear()

@@ -103,3 +103,50 @@ def test_a_front_door_silent_past_its_heartbeat_counts_as_stopped_until_it_beats
     router_stopped(db_engine, pid=21)
     assert not heartbeat(db_engine, pid=21)  # a stopped front door's late beat does not revive it
     assert door.started() is None
+
+
+def test_a_database_that_refuses_the_front_doors_registration_a_while_does_not_leave_it_unregistered(
+        db_engine: Engine) -> None:
+    """The front door listens, the database gives up on its registration twice (as a statement timeout
+    would, then a dropped connection): it is registered all the same, not left out for good."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from types import SimpleNamespace
+
+    from pearl.cli.router import _register_when_listening
+
+    class State(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = json.dumps({"mode": "split"}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    with db_engine.begin() as conn:
+        conn.execute(text("CREATE SEQUENCE refuse_router"))
+        conn.execute(text("""
+            CREATE FUNCTION refuse_router() RETURNS trigger LANGUAGE plpgsql AS $$
+            DECLARE n bigint := nextval('refuse_router');
+            BEGIN
+              IF n = 1 THEN RAISE EXCEPTION 'statement timeout' USING ERRCODE = '57014';
+              ELSIF n = 2 THEN RAISE EXCEPTION 'connection lost' USING ERRCODE = '08006';
+              END IF;
+              RETURN NEW;
+            END $$"""))
+        conn.execute(text("CREATE TRIGGER refuse_router BEFORE INSERT OR UPDATE ON routers FOR EACH ROW "
+                          "EXECUTE FUNCTION refuse_router()"))
+    server = ThreadingHTTPServer(("127.0.0.1", 0), State)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        cfg = SimpleNamespace(host="127.0.0.1", port=server.server_address[1], mode="colocated")
+        assert _register_when_listening(db_engine, cfg, timeout_s=10, retry_max_s=0.2)
+    finally:
+        server.shutdown()
+        server.server_close()
+    with db_engine.begin() as conn:
+        row = conn.execute(text("SELECT url, mode FROM routers WHERE stopped_at IS NULL")).one()
+    assert row.url == f"http://127.0.0.1:{cfg.port}" and row.mode == "split"

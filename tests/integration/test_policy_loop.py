@@ -293,3 +293,33 @@ def test_progress_within_a_step_wakes_a_pass_only_at_a_new_step_or_its_tail(cp: 
         runner.join(10)
     assert not runner.is_alive()
     assert "loop-listen" not in [t.name for t in threading.enumerate()]  # joined before `run` returned
+
+
+def test_the_loop_outlives_statements_the_database_gives_up_on(cp: ControlPlane) -> None:
+    """A cancelled statement, a deadlock and an error the loop has no name for each end one pass, not
+    the loop: the next pass runs."""
+    with cp.engine.begin() as conn:
+        conn.execute(text("CREATE SEQUENCE refuse_tick"))  # nextval is not rolled back with the failure
+        conn.execute(text("""
+            CREATE FUNCTION refuse_tick() RETURNS trigger LANGUAGE plpgsql AS $$
+            DECLARE n bigint := nextval('refuse_tick');
+            BEGIN
+              IF n = 1 THEN RAISE EXCEPTION 'canceling statement due to statement timeout' USING ERRCODE = '57014';
+              ELSIF n = 2 THEN RAISE EXCEPTION 'deadlock detected' USING ERRCODE = '40P01';
+              ELSIF n = 3 THEN RAISE EXCEPTION 'something else' USING ERRCODE = 'XX000';
+              END IF;
+              RETURN NEW;
+            END $$"""))
+        conn.execute(text("CREATE TRIGGER refuse_tick BEFORE INSERT ON ticks FOR EACH ROW EXECUTE FUNCTION "
+                          "refuse_tick()"))
+    loop = PolicyLoop(cp.engine, LoopConfig(interval_s=0.2, lease_s=30, min_gap_s=0.05))
+    runner = threading.Thread(target=loop.run, daemon=True)
+    runner.start()
+    try:
+        _wait(lambda: loop.passes >= 1, 30)
+        assert runner.is_alive()
+    finally:
+        loop.stop()
+        runner.join(10)
+    with cp.engine.begin() as conn:
+        assert conn.execute(text("SELECT last_value FROM refuse_tick")).scalar() >= 4

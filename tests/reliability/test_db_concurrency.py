@@ -207,3 +207,28 @@ def test_conflict_is_reported_not_silently_applied(cluster_engine: Engine) -> No
     with pytest.raises(StateConflict, match="0 of its 2 GPU"):
         with transaction(cluster_engine) as session:
             start_worker(session, worker, Role.COLOCATED)
+
+
+def test_every_connection_bounds_its_statements_and_watches_its_peer(database_url: str,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A statement the server runs or waits on too long is cancelled and named as something to try
+    again; every connection asks for TCP keepalives and a bound on unacknowledged data."""
+    from pearl.controlplane.errors import DatabaseBusy
+    from pearl.controlplane.store.db import make_engine, transaction
+
+    engine = make_engine(database_url)
+    try:
+        with engine.connect() as conn:
+            assert conn.execute(text("SHOW statement_timeout")).scalar() == "1min"
+            params = conn.connection.dbapi_connection.info.get_parameters()
+        assert params["keepalives"] == "1" and params["tcp_user_timeout"] == "30000"
+    finally:
+        engine.dispose()
+    monkeypatch.setenv("PEARL_STATEMENT_TIMEOUT_S", "0.2")
+    engine = make_engine(database_url)
+    try:
+        with pytest.raises(DatabaseBusy, match="57014"):
+            with transaction(engine) as session:
+                session.execute(text("SELECT pg_sleep(2)"))
+    finally:
+        engine.dispose()

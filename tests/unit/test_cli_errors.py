@@ -280,3 +280,25 @@ def test_an_agent_with_a_transfer_backend_sglang_does_not_know_is_refused_before
     res = invoke("agent", "--node", "node-a", "--driver", "sglang", "--transfer-backend", "tcp",
                  env={"PEARL_DATABASE_URL": "postgresql://nobody@127.0.0.1:1/none"})
     assert res.exit_code == 2 and "--transfer-backend: one of mooncake" in res.output
+
+
+@pytest.mark.parametrize("command", ["agent", "worker"])
+def test_a_node_name_that_is_not_one_is_refused_before_anything_is_made(tmp_path: Path, command: str) -> None:
+    home = tmp_path / "home"
+    res = invoke(command, "--node", "../../../x",
+                 env={"PEARL_HOME": str(home), "PEARL_DATABASE_URL": "postgresql://nobody@127.0.0.1:1/none"})
+    assert res.exit_code == 2 and "--node: a node name" in res.output
+    assert not (tmp_path / "x").exists() and not home.exists()
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("name", "../../../x", "nodes.0.name: String should match pattern"),
+    ("name", "a/b", "nodes.0.name: String should match pattern"),
+    ("address", "127.0.0.1:1/evil?", "nodes.0.address: a host name or an IP address"),
+    ("address", "http://10.0.0.1", "nodes.0.address: a host name or an IP address"),
+])
+def test_an_inventory_node_name_or_address_that_is_not_one_is_refused(tmp_path: Path, field: str, value: str,
+                                                                       message: str) -> None:
+    node = {**INVENTORY["nodes"][0], field: value}
+    res = invoke("cluster", "import", str(write(tmp_path / "bad.yaml", {**INVENTORY, "nodes": [node]})), "--json")
+    assert res.exit_code == 2 and message in res.output

@@ -65,7 +65,7 @@ def test_rollout_block_is_the_predictors_loop() -> None:
     ([1, 2], "an inventory is a mapping"),
     ({**BASE, "nodes": []}, "nodes: needs at least 1 entry, got 0"),
     ({**BASE, "nodes": [{**BASE["nodes"][0], "gpus": 0}]}, "nodes.0.gpus: Input should be greater than 0"),
-    ({**BASE, "nodes": [{**BASE["nodes"][0], "name": ""}]}, "nodes.0.name: String should have at least 1"),
+    ({**BASE, "nodes": [{**BASE["nodes"][0], "name": ""}]}, "nodes.0.name: String should match pattern"),
     ({k: v for k, v in BASE.items() if k != "gpu"}, "gpu: Field required"),
 ])
 def test_bad_inventories_name_the_field(raw: object, message: str) -> None:
