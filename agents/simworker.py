@@ -36,7 +36,7 @@ from pearl.controlplane.core.catalog import default_catalog
 from pearl.controlplane.core.domain import Role
 from pearl.controlplane.core.perfmodel import AGENTIC_LOAD, PerfModel
 from pearl.controlplane.weights.broadcast import DEFAULT_GROUP, LOAD_FORMAT
-from pearl.controlplane.weights.files import SnapshotError, load_snapshot, manifest_digest
+from pearl.controlplane.weights.files import TORCH_DTYPES, SnapshotError, load_snapshot, manifest_digest
 
 from .drivers.base import FENCE_HEADER
 from .simengine import VOCAB, RealtimeEngine
@@ -92,7 +92,7 @@ class SimState:
     ready_at: float = 0.0  # simulated time (of its engine's clock) it finishes starting
     weights_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     weights_checksum: str | None = None  # manifest_digest of `tensors` (None: the initial weights)
-    tensors: dict[str, str] = field(default_factory=dict)  # the weights' tensors: name -> sha256
+    tensors: dict[str, dict[str, Any]] = field(default_factory=dict)  # the weights: name -> dtype, shape, sha256
     weight_loads: int = 0  # snapshots (or broadcasts) taken since the start
     groups: dict[str, Any] = field(default_factory=dict)  # weight-update groups joined (name -> process group)
     decode_graphs: bool = False  # decode CUDA graphs captured (launched as decode, or flipped to decode once)
@@ -420,7 +420,7 @@ def build_app(state: SimState) -> web.Application:
             rt.pause(rt.now() + cfg.weight_load_s)
             await rt.sleep_sim(cfg.weight_load_s)
             state.model_path = path
-            state.tensors = {n: t.sha256 for n, t in snap.info.items()}
+            state.tensors = snap.manifest()
             state.weights_checksum = manifest_digest(state.tensors) if snap.info else None
             state.weight_loads += 1
             if body.get("weight_version") is not None:
@@ -488,7 +488,9 @@ def build_app(state: SimState) -> web.Application:
             except (SnapshotError, TypeError, ValueError) as exc:
                 return web.json_response({"success": False, "message": f"Failed to update parameter online: {exc}. "
                                           f"Kept version {state.weight_version}."}, status=400)
-            digests = await asyncio.to_thread(lambda: {n: hashlib.sha256(d).hexdigest() for n, _, _, d in tensors})
+            digests = await asyncio.to_thread(lambda: {
+                n: {"dtype": TORCH_DTYPES[dtype], "shape": shape, "sha256": hashlib.sha256(d).hexdigest()}
+                for n, dtype, shape, d in tensors})
             state.tensors.update(digests)
             state.weights_checksum = manifest_digest(state.tensors)
             message = f"Succeeded to update parameter online ({len(tensors)} tensors)."
@@ -536,7 +538,7 @@ async def serve(cfg: SimConfig) -> None:
     launched_s = max(0.0, time.time() - cfg.launched_at) * cfg.speed if cfg.launched_at is not None else 0.0
     state = SimState(cfg, rt, model_path, cfg.weight_version, cfg.fence, ready_at=cfg.startup_s - launched_s,
                      weights_checksum=manifest_digest(snap.manifest()) if cfg.model_path else None,
-                     tensors={n: t.sha256 for n, t in snap.info.items()} if cfg.model_path else {},
+                     tensors=snap.manifest() if cfg.model_path else {},
                      decode_graphs=cfg.role is Role.DECODE)
     state.unpaused.set()
     runner = web.AppRunner(build_app(state), handle_signals=False, shutdown_timeout=5.0, access_log=None)

@@ -38,7 +38,7 @@ from pearl.controlplane.errors import PearlError
 from pearl.controlplane.store import weights as rows
 from pearl.controlplane.store.db import transaction
 from pearl.controlplane.weights import snapshot_path
-from pearl.controlplane.weights.files import SnapshotError, manifest_digest, read_manifest
+from pearl.controlplane.weights.files import SnapshotError, disk_digest, read_manifest
 
 log = logging.getLogger("pearl.weights")
 
@@ -57,14 +57,18 @@ class SyncOutcome:
 
 
 def _check_files(job: rows.SyncJob) -> None:
+    """The snapshot on disk is the one registered: each tensor's sha256 (the manifest), dtype and shape
+    (the safetensors headers), without reading the tensors (the server reads and checks them)."""
+    path = snapshot_path(job.uri)
     try:
-        raw = read_manifest(snapshot_path(job.uri))
+        if read_manifest(path) is None:
+            raise SyncRefused(f"snapshot {job.uri}: its manifest is gone")
+        digest = disk_digest(path)
     except SnapshotError as exc:
         raise SyncRefused(f"snapshot {job.uri}: {exc}") from None
-    if raw is None:
-        raise SyncRefused(f"snapshot {job.uri}: its manifest is gone")
-    if manifest_digest(raw["tensors"]) != job.checksum:
-        raise SyncRefused(f"snapshot {job.uri}: its manifest changed since version {job.version} was registered")
+    if digest != job.checksum:
+        raise SyncRefused(f"snapshot {job.uri}: its manifest or its tensors' dtypes or shapes changed since version "
+                          f"{job.version} was registered")
 
 
 def _refusal(exc: DriverError) -> bool:

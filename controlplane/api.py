@@ -95,13 +95,14 @@ class ControlPlane:
         worker's sync is queued. `delivered` (worker id -> endpoint): servers the trainer's broadcast
         brought to the version already; their syncs are recorded here (fenced as a task's), the others
         are sent to their nodes' queues. The syncs sent."""
-        from pearl.controlplane.weights import check_snapshot
+        from pearl.controlplane.weights import absolute_uri, check_snapshot
 
         snap = None
         if snapshot is not None:
             if weights_version is None:
                 raise BadInput("weights_version: required with a snapshot")
             snap = check_snapshot(snapshot)
+            snapshot = absolute_uri(snapshot)  # every process on every node reads the same place
         with transaction(self.engine, actor=actor, reason=f"training step {step} ended") as session:
             signals.end_training(session, step, weights_version=weights_version, snapshot=snapshot)
             tasks: list[weight_rows.SyncTask] = []

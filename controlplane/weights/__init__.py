@@ -40,6 +40,14 @@ def snapshot_path(uri: str) -> Path:
                    "mounted on every node)")
 
 
+def absolute_uri(uri: str) -> str:
+    """A snapshot URI as registered: a relative path made absolute against this process's working
+    directory (a relative one would be read against each reader's own), a file:// URI as given."""
+    if urlsplit(uri).scheme == "file":
+        return uri
+    return str(snapshot_path(uri).resolve())
+
+
 def check_snapshot(uri: str) -> Snapshot:
     """Read every tensor of the snapshot at `uri` and check it against its manifest (required).
     BadInput naming the tensor when they do not match."""

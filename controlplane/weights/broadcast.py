@@ -129,7 +129,8 @@ def layout(state_dict: dict[str, Any], bucket_bytes: int = DEFAULT_BUCKET_BYTES,
 
 def expected_checksum(buckets: list[Bucket]) -> str:
     """What a server that took every bucket reports as its `weights_checksum`."""
-    return manifest_digest({n: sha for b in buckets for n, sha in zip(b.names, b.sha256, strict=True)})
+    return manifest_digest({n: {"dtype": TORCH_DTYPES[dtype], "shape": shape, "sha256": sha} for b in buckets
+                            for n, dtype, shape, sha in zip(b.names, b.dtypes, b.shapes, b.sha256, strict=True)})
 
 
 def _pack(bucket: Bucket) -> Any:

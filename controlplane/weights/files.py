@@ -70,22 +70,51 @@ def _files(path: Path) -> list[Path]:
     return files
 
 
+def _header(f: Any, file: Path) -> tuple[dict[str, Any], int]:
+    """A safetensors file's JSON header (without `__metadata__`) and its length, read from `f`."""
+    raw = f.read(8)
+    if len(raw) < 8:
+        raise SnapshotError(f"{file.name}: not a safetensors file (shorter than its header length)")
+    (n,) = struct.unpack("<Q", raw)
+    if n > MAX_HEADER_BYTES:
+        raise SnapshotError(f"{file.name}: header length {n} is not plausible")
+    try:
+        header = json.loads(f.read(n))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise SnapshotError(f"{file.name}: header is not JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise SnapshotError(f"{file.name}: header is not a JSON object")
+    header.pop("__metadata__", None)
+    return header, n
+
+
+def disk_digest(model_path: str | Path) -> str:
+    """The snapshot's `manifest_digest` as its files say now, without reading the tensors' data: each
+    tensor's sha256 from the manifest, its dtype and shape from the safetensors headers. A snapshot
+    rewritten since it was registered (a tensor's bytes, or its dtype or shape, in the header and the
+    manifest alike) gives another digest. SnapshotError without a manifest."""
+    path = Path(model_path)
+    raw = read_manifest(path)
+    if raw is None:
+        raise SnapshotError(f"{manifest_path(path)}: no manifest")
+    shapes: dict[str, tuple[str, list[int]]] = {}
+    for file in _files(path):
+        with file.open("rb") as f:
+            header, _ = _header(f, file)
+        for name, info in header.items():
+            if isinstance(info, dict):
+                shapes[name] = (str(info.get("dtype")), list(info.get("shape") or []))
+    entries = {}
+    for name, sha in raw["tensors"].items():
+        dtype, shape = shapes.get(name, ("missing", []))
+        entries[name] = {"dtype": dtype, "shape": shape, "sha256": sha}
+    return manifest_digest(entries)
+
+
 def _read(file: Path, digests: dict[str, TensorInfo]) -> tuple[int, int]:
     """Check one file's tensors; record each tensor's dtype, shape and sha256 in `digests`."""
     with file.open("rb") as f:
-        raw = f.read(8)
-        if len(raw) < 8:
-            raise SnapshotError(f"{file.name}: not a safetensors file (shorter than its header length)")
-        (n,) = struct.unpack("<Q", raw)
-        if n > MAX_HEADER_BYTES:
-            raise SnapshotError(f"{file.name}: header length {n} is not plausible")
-        try:
-            header = json.loads(f.read(n))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise SnapshotError(f"{file.name}: header is not JSON ({exc})") from None
-        if not isinstance(header, dict):
-            raise SnapshotError(f"{file.name}: header is not a JSON object")
-        header.pop("__metadata__", None)
+        header, n = _header(f, file)
         base = 8 + n
         size = file.stat().st_size - base
         total = 0
@@ -173,13 +202,16 @@ def load_snapshot(model_path: str) -> Snapshot:
     return Snapshot(str(path), tuple(f.name for f in files), tensors, nbytes, checked, digests)
 
 
-def manifest_digest(manifest: dict[str, dict[str, Any]] | dict[str, str]) -> str:
-    """One sha256 over every tensor's name and sha256 (sorted): what a server that loaded the snapshot
-    reports as its `weights_checksum`, and what a sync compares with the registered manifest."""
+def manifest_digest(manifest: dict[str, dict[str, Any]]) -> str:
+    """One sha256 over every tensor's name, dtype, shape and sha256 (sorted by name): what a server
+    that loaded the snapshot reports as its `weights_checksum`, and what a sync compares with the
+    registered manifest. The dtype and shape count: the same bytes read as another tensor are other
+    weights."""
     h = hashlib.sha256()
     for name in sorted(manifest):
         entry = manifest[name]
-        h.update(f"{name}={entry['sha256'] if isinstance(entry, dict) else entry}\n".encode())
+        shape = "x".join(str(int(d)) for d in entry["shape"])
+        h.update(f"{name}={entry['dtype']}[{shape}]:{entry['sha256']}\n".encode())
     return h.hexdigest()
 
 

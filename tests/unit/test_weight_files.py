@@ -85,3 +85,25 @@ def test_a_snapshot_written_with_its_model_folder_is_one_sglang_loads(tmp_path: 
     assert check_snapshot(snap.path).tensors == 1
     with pytest.raises(BadInput, match="model_dir .*: no config.json"):
         write_snapshot({"w": np.ones(4, dtype=np.float32)}, tmp_path / "v2", model_dir=tmp_path / "v1" / "nothing")
+
+
+def test_a_snapshot_rewritten_as_other_tensors_of_the_same_bytes_no_longer_matches_its_registration(
+        tmp_path: Path) -> None:
+    """An F32 [2,4] tensor rewritten as F16 [4,4] (the same 32 bytes; header and manifest both changed)
+    is a consistent snapshot, and other weights: the digest the sync compares says so."""
+    from pearl.controlplane.weights.files import disk_digest
+
+    w = np.arange(8, dtype=np.float32).reshape(2, 4)
+    registered = manifest_digest(write_snapshot({"w": w}, tmp_path / "s").manifest())
+    assert disk_digest(tmp_path / "s") == registered
+    write_snapshot({"w": np.frombuffer(w.tobytes(), dtype=np.float16).reshape(4, 4)}, tmp_path / "s")
+    assert check_snapshot(str(tmp_path / "s")).tensors == 1  # self-consistent
+    assert disk_digest(tmp_path / "s") != registered
+
+
+def test_a_relative_snapshot_path_is_registered_absolute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from pearl.controlplane.weights import absolute_uri
+
+    monkeypatch.chdir(tmp_path)
+    assert absolute_uri("ckpt/v1") == str(tmp_path / "ckpt" / "v1")
+    assert absolute_uri("file:///shared/ckpt/v1") == "file:///shared/ckpt/v1"
