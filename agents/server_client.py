@@ -14,6 +14,7 @@ import time
 from typing import Any, Self
 
 import httpx
+from pearl.controlplane.services.token import bearer
 
 from .drivers.base import FENCE_HEADER, DriverError
 
@@ -68,15 +69,19 @@ class HTTPClient:
 
 
 class ServerClient(HTTPClient):
-    def __init__(self, endpoint: str, timeout_s: float = 30.0, fence: int | None = None) -> None:
+    def __init__(self, endpoint: str, timeout_s: float = 30.0, fence: int | None = None,
+                 token: str | None = None) -> None:
         super().__init__(timeout_s)
         self.endpoint = endpoint.rstrip("/")
         self.timeout_s = timeout_s
         self.fence = fence
+        self.token = token  # the control token: SGLang's admin API key, sent as a bearer token
 
     def _call(self, method: str, path: str, body: dict[str, Any] | None = None, timeout_s: float | None = None,
               command: bool = False, ok: tuple[int, ...] = (200,)) -> httpx.Response:
-        headers = {FENCE_HEADER: str(self.fence)} if command and self.fence is not None else {}
+        headers = bearer(self.token)
+        if command and self.fence is not None:
+            headers[FENCE_HEADER] = str(self.fence)
         try:
             resp = self._http.request(method, self.endpoint + path, json=body, headers=headers,
                                       timeout=timeout_s or self.timeout_s)

@@ -23,6 +23,7 @@ import asyncio
 import hashlib
 import json
 import math
+import secrets
 import signal
 import sys
 import time
@@ -70,6 +71,7 @@ class SimConfig:
     weight_load_s: float = 2.0  # simulated time a snapshot load pauses the engine
     role_switch_s: float = 1.0  # simulated time of a prefill <-> decode flip
     memory_s: float = 0.5  # simulated time to release or resume memory
+    admin_api_key: str | None = None  # SGLang's: commands need `Authorization: Bearer <it>`
     decode_graph_gb: float = 2.0  # memory its decode CUDA graphs take (reported under /v1/loads `memory`)
     graph_headroom_gb: float = 8.0  # memory free beside weights and KV: what a capture on a flip may take
     capacity: int | None = None  # KV tokens; default: the performance model's
@@ -144,6 +146,28 @@ async def _body(request: web.Request, required: bool = True) -> dict[str, Any]:
         raise web.HTTPBadRequest(text=json.dumps({"message": "body must be a JSON object"}),
                                  content_type="application/json")
     return body
+
+
+# SGLang's ADMIN_OPTIONAL endpoints among the ones served here (`@auth_level` in its http_server.py;
+# tests/conformance holds this list to SGLang's): with an admin API key they need it as a bearer token.
+ADMIN_PATHS = frozenset({
+    "/pause_generation", "/continue_generation", "/flush_cache", "/pd_role_switch", "/release_memory_occupation",
+    "/resume_memory_occupation", "/update_weights_from_disk", "/init_weights_update_group",
+    "/update_weights_from_distributed", "/destroy_weights_update_group",
+})
+
+
+def _admin_auth(key: str | None) -> Any:
+    """SGLang's API-key middleware for its admin endpoints: 401 `{"error": "Unauthorized"}` without
+    the key (compared in constant time)."""
+    @web.middleware
+    async def check(request: web.Request, handler: Any) -> web.StreamResponse:
+        if key and request.path in ADMIN_PATHS:
+            scheme, _, given = (request.headers.get("Authorization") or "").partition(" ")
+            if scheme.lower() != "bearer" or not secrets.compare_digest(given.encode(), key.encode()):
+                return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)
+    return check
 
 
 def _unprocessable(message: str, field_name: str | None = None) -> web.Response:
@@ -516,7 +540,7 @@ def build_app(state: SimState) -> web.Application:
         await asyncio.to_thread(leave_group, pg)
         return web.json_response({"success": True, "message": "Succeeded to destroy custom process group."})
 
-    app = web.Application(client_max_size=256 * 1024 * 1024)
+    app = web.Application(client_max_size=256 * 1024 * 1024, middlewares=[_admin_auth(cfg.admin_api_key)])
     app.add_routes(routes)
     return app
 

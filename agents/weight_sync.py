@@ -37,6 +37,7 @@ from pearl.agents.steps import served_version
 from pearl.controlplane.errors import PearlError
 from pearl.controlplane.store import weights as rows
 from pearl.controlplane.store.db import transaction
+from pearl.controlplane.store.secrets import control_token
 from pearl.controlplane.weights import snapshot_path
 from pearl.controlplane.weights.files import SnapshotError, disk_digest, read_manifest
 
@@ -131,7 +132,10 @@ def run_sync(engine: Any, worker_id: int, version: int, *, timeout_s: float = 12
 def _attempts(engine: Any, worker_id: int, version: int, deadline: float, timeout_s: float, retry_s: float,
               client: Callable[[str], Any] | None, actor: str, load: Callable[[Any, rows.SyncJob], str] | None,
               reason: str) -> SyncOutcome:
-    make = client or (lambda endpoint: ServerClient(endpoint, timeout_s=60.0))
+    if client is None:
+        token = control_token(engine)
+        client = lambda endpoint: ServerClient(endpoint, timeout_s=60.0, token=token)  # noqa: E731
+    make = client
     while True:
         with transaction(engine, actor=actor, reason=reason) as session:
             job = rows.begin_sync(session, worker_id, version)

@@ -60,6 +60,7 @@ def agent(
     from pearl.controlplane.core.inventory import check_node_name
     from pearl.controlplane.services.settings import get_settings
     from pearl.controlplane.store.db import make_engine, require_schema
+    from pearl.controlplane.store.secrets import control_token
 
     check_node_name("--node", node)
     if driver not in DRIVERS:
@@ -70,7 +71,8 @@ def agent(
     engine = make_engine()
     try:
         require_schema(engine)
-        options: dict[str, Any] = {}
+        token = control_token(engine)
+        options: dict[str, Any] = {"admin_api_key": token}
         if driver == "sim":
             options["speed"] = speed or _time_scale(engine)
             options["extra_args"] = tuple(sim_args.split())
@@ -83,7 +85,8 @@ def agent(
         the_driver = make_driver(driver, where, **options)
         the_agent = Agent(engine, AgentConfig(node=node, driver=driver, lease_s=lease, poll_s=poll,
                                               max_steps=max_steps, crash_after_s=crash_after),
-                          the_driver, client=_client, front_door=lambda: _front_door(engine))
+                          the_driver, client=lambda endpoint, fence: _client(endpoint, fence, token),
+                          front_door=lambda: _front_door(engine))
         handlers = {sig: signal.signal(sig, lambda *_: the_agent.stop()) for sig in (signal.SIGTERM, signal.SIGINT)}
         try:
             the_agent.run()
@@ -94,10 +97,10 @@ def agent(
         engine.dispose()
 
 
-def _client(endpoint: str, fence: int) -> Any:
+def _client(endpoint: str, fence: int, token: str) -> Any:
     from pearl.agents.server_client import ServerClient
 
-    return ServerClient(endpoint, fence=fence)
+    return ServerClient(endpoint, fence=fence, token=token)
 
 
 def _front_door(engine: Any) -> Any:

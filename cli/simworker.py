@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import time
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -40,6 +42,9 @@ def simworker(
                                                      "the start-up runs from then. Default: now.")] = None,
     weight_load_s: Annotated[float, typer.Option(help="Simulated time of a snapshot load.")] = 2.0,
     role_switch_s: Annotated[float, typer.Option(help="Simulated time of a role switch.")] = 1.0,
+    admin_api_key: Annotated[str | None, typer.Option(
+        help="As SGLang's: commands need it as a bearer token (default: from $PEARL_ADMIN_API_KEY_FILE, a file "
+             "holding it, else none).")] = None,
     decode_graph_gb: Annotated[float, typer.Option(help="Memory of its decode CUDA graphs (GB).")] = 2.0,
     graph_headroom_gb: Annotated[float, typer.Option(help="Memory a graph capture on a flip to decode may "
                                                           "take (GB).")] = 8.0,
@@ -84,11 +89,25 @@ def simworker(
                     enable_weights_cpu_backup=enable_weights_cpu_backup, enable_pd_role_switch=enable_pd_role_switch,
                     startup_s=startup_s, launched_at=launched_at,
                     weight_load_s=weight_load_s, role_switch_s=role_switch_s, decode_graph_gb=decode_graph_gb,
-                    graph_headroom_gb=graph_headroom_gb, capacity=capacity, run_dir=run_dir)
+                    graph_headroom_gb=graph_headroom_gb, capacity=capacity, run_dir=run_dir,
+                    admin_api_key=admin_api_key or _key_from_file())
     import asyncio
 
     asyncio.run(serve(cfg))
 
 
+def _key_from_file() -> str | None:
+    """The admin API key a launcher left in a file (`PEARL_ADMIN_API_KEY_FILE`), so that it is not on the
+    command line for every user of the node to read."""
+    path = os.environ.get("PEARL_ADMIN_API_KEY_FILE", "").strip()
+    if not path:
+        return None
+    try:
+        return Path(path).read_text().strip() or None
+    except OSError as exc:
+        raise BadInput(f"PEARL_ADMIN_API_KEY_FILE: {path}: {exc.strerror or exc}") from None
+
+
 if __name__ == "__main__":  # `python -m pearl.cli.simworker ...` is `pearlctl simworker ...` without the other commands
     typer.run(simworker)
+

@@ -124,6 +124,16 @@ class ProcessDriver:
         self.env = dict(env or {})
         self._children = LAUNCHED
 
+    def secret_file(self, name: str, content: str) -> Path:
+        """A file only this user can read, in the run dir: how a secret reaches a server without being
+        on its command line (which every user of the node can read)."""
+        path = self.run_dir / name
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(content)
+        os.chmod(path, 0o600)
+        return path
+
     # -- what differs per driver -----------------------------------------------------------------
 
     def command(self, spec: ServerSpec, port: int, bootstrap_port: int | None) -> tuple[list[str], dict[str, str]]:

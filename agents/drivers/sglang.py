@@ -17,7 +17,9 @@ with SGLang's own parser):
   `--enable-weights-cpu-backup`, so that release/resume_memory_occupation hand the memory back
   between loans and the weights come back intact (without the backup SGLang resumes with the
   weights' memory uninitialised);
-- `CUDA_VISIBLE_DEVICES` from the worker's devices (exactly `tp` of them).
+- `CUDA_VISIBLE_DEVICES` from the worker's devices (exactly `tp` of them);
+- with a control token: `--config` naming a YAML file only this user can read that sets SGLang's
+  `admin-api-key` to it, so that every command (pause, load, switch, release) needs the token.
 
 Prefill <-> decode is `/pd_role_switch` on the running server after a drain (to decode: told the
 decode CUDA graph memory a decode peer reports; agents/steps.py restarts a server that refuses);
@@ -26,6 +28,7 @@ colocated <-> split is a restart (SGLang cannot flip to or from colocated).
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -40,8 +43,12 @@ class SglangDriver(ProcessDriver):
 
     def __init__(self, run_dir: Path | str, python: str = sys.executable, transfer_backend: str = "mooncake",
                  extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None,
-                 model_path: str | None = None, ib_device: str | None = None) -> None:
+                 model_path: str | None = None, ib_device: str | None = None,
+                 admin_api_key: str | None = None) -> None:
         super().__init__(run_dir, env)
+        # SGLang's admin API key, given in a YAML `--config` only this user reads (not on the command line)
+        self.config_file = (self.secret_file("sglang-admin.yaml", json.dumps({"admin-api-key": admin_api_key}) + "\n")
+                            if admin_api_key else None)
         self.python = python
         self.transfer_backend = transfer_backend
         self.model_path = model_path  # what a server loads before the trainer registered any snapshot
@@ -78,5 +85,7 @@ class SglangDriver(ProcessDriver):
             raise DriverError(f"worker {spec.worker_id}: no server for role {spec.role.value}")
         if spec.overlap:
             argv += ["--enable-memory-saver", "--enable-weights-cpu-backup"]
+        if self.config_file is not None:
+            argv += ["--config", str(self.config_file)]
         argv += list(self.extra_args)
         return argv, {"CUDA_VISIBLE_DEVICES": ",".join(map(str, spec.devices))}

@@ -21,8 +21,11 @@ class SimDriver(ProcessDriver):
     name = "sim"
 
     def __init__(self, run_dir: Path | str, speed: float = 1.0, extra_args: tuple[str, ...] = (),
-                 python: str = sys.executable, env: dict[str, str] | None = None) -> None:
+                 python: str = sys.executable, env: dict[str, str] | None = None,
+                 admin_api_key: str | None = None) -> None:
         super().__init__(run_dir, env)
+        if admin_api_key:  # as SGLang's --admin-api-key, from a file only this user reads
+            self.env["PEARL_ADMIN_API_KEY_FILE"] = str(self.secret_file("admin-api-key", admin_api_key))
         self.speed = speed
         self.extra_args = tuple(extra_args)  # e.g. ("--startup-s", "5", "--capacity", "20000")
         self.python = python

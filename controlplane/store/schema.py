@@ -500,6 +500,17 @@ class Router(Base):
     stopped_at: Mapped[datetime | None] = mapped_column(TS)
 
 
+class ControlSecret(Base):
+    """Named secrets (0009): `control` authenticates pearl's commands to servers and the front door."""
+
+    __tablename__ = "control_secrets"
+    __table_args__ = (CheckConstraint("length(value) >= 32", name="long_enough"),)
+
+    name: Mapped[str] = mapped_column(Text, primary_key=True)
+    value: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(TS, server_default=NOW)
+
+
 class LeaderLease(Base):
     """Leadership of a long-running loop (`pearlctl loop`): held until `expires_at` unless renewed."""
 

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+from pearl.controlplane.services.token import bearer
 from pearl.controlplane.weights.files import (
     DTYPE_BYTES,
     TORCH_DTYPES,
@@ -197,6 +198,7 @@ class SyncGroup:
     timeout_s: float = 120.0
     name: str = DEFAULT_GROUP
     tp: dict[int, int] = field(default_factory=dict)
+    token: str | None = field(default=None, repr=False)  # the control token (the servers' admin API key)
     pg: Any = field(default=None, repr=False)
 
     @property
@@ -234,7 +236,8 @@ class SyncGroup:
         def post(item: tuple[int, str]) -> tuple[int, str | None]:
             worker, endpoint = item
             try:
-                resp = httpx.post(endpoint.rstrip("/") + path, json=body_of(worker), timeout=self.timeout_s + 30)
+                resp = httpx.post(endpoint.rstrip("/") + path, json=body_of(worker), timeout=self.timeout_s + 30,
+                                  headers=bearer(self.token))
                 try:
                     body = resp.json()
                 except ValueError:

@@ -56,6 +56,7 @@ class Route:
     body_type: str  # a request type's name, or BODY_FREE
     query: frozenset[str]
     source: str
+    auth: str  # its `@auth_level(AuthLevel.X)` ("normal" without one)
 
 
 @dataclass
@@ -95,6 +96,11 @@ def _routes_of(path: Path) -> list[Route]:
     for node in ast.walk(tree):
         if not isinstance(node, ast.AsyncFunctionDef | ast.FunctionDef):
             continue
+        auth = "normal"
+        for dec in node.decorator_list:
+            if (isinstance(dec, ast.Call) and ast.unparse(dec.func) == "auth_level" and dec.args
+                    and isinstance(dec.args[0], ast.Attribute)):
+                auth = dec.args[0].attr.lower()
         for dec in node.decorator_list:
             if not (isinstance(dec, ast.Call) and isinstance(dec.func, ast.Attribute) and dec.args):
                 continue
@@ -118,7 +124,7 @@ def _routes_of(path: Path) -> list[Route]:
                     body = found
                 elif arg.annotation is not None and ast.unparse(arg.annotation) not in ("Request", "RawRequest"):
                     query.add(arg.arg)
-            routes.append(Route(route_path, frozenset(methods), node.name, body, frozenset(query), path.name))
+            routes.append(Route(route_path, frozenset(methods), node.name, body, frozenset(query), path.name, auth))
     return routes
 
 

@@ -208,6 +208,28 @@ def test_every_request_of_the_sync_group_is_one_sglang_takes() -> None:
     assert requests[-2][1]["weight_version"] == "9" and "weight_version" not in requests[2][1]
 
 
+def test_the_simulated_server_guards_exactly_the_commands_sglang_guards_with_its_admin_key() -> None:
+    """SGLang's admin API key protects its ADMIN_OPTIONAL endpoints; the simulated server protects the
+    same ones among those it serves, and leaves reads and generation open as SGLang does."""
+    from pearl.agents.simworker import ADMIN_PATHS
+
+    served = {"/health", "/ready", "/server_info", "/model_info", "/v1/loads", "/generate", *ADMIN_PATHS}
+    guarded = {path for path in served for r in sglang_source.routes().get(path, []) if r.auth == "admin_optional"}
+    assert guarded == set(ADMIN_PATHS)
+
+
+def test_the_admin_key_reaches_sglang_from_a_file_only_its_user_reads(tmp_path: Path) -> None:
+    token = "t" * 64
+    driver = SglangDriver(tmp_path, model_path="m", admin_api_key=token)
+    argv, _ = driver.command(spec_of(0, Role.DECODE, 1, False, None), 31000, 32000)
+    assert token not in " ".join(argv)
+    config = Path(argv[argv.index("--config") + 1])
+    assert config.stat().st_mode & 0o077 == 0
+    (verdict,) = parse([argv[3:]])
+    assert verdict["ok"], verdict.get("error")
+    assert verdict["args"]["admin_api_key"] == token and verdict["args"]["disaggregation_mode"] == "decode"
+
+
 def test_the_trainers_generate_turn_is_one_sglang_takes() -> None:
     assert sglang_source.problems("POST", "/generate", {}, generate_body([1, 2, 3], 16, "t1-0")) == []
 

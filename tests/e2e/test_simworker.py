@@ -420,3 +420,26 @@ def test_weights_released_without_a_cpu_backup_come_back_uninitialised(tmp_path)
         assert client.model_info()["weights_checksum"] == before
     finally:
         backed.stop(14, grace_s=5)
+
+
+def test_with_an_admin_key_commands_need_it_and_reads_and_generation_do_not(tmp_path):
+    """As SGLang with `--admin-api-key`: every command without the bearer token is refused (401) and
+    changes nothing; reads, health and generation stay open; the key reaches the server from a file."""
+    key = "k" * 64
+    guarded = SimDriver(tmp_path / "run", speed=SPEED, admin_api_key=key)
+    assert key not in " ".join(guarded.command(spec(15, Role.PREFILL), 1, 2)[0])
+    try:
+        server = guarded.launch(spec(15, Role.PREFILL))
+        guarded.wait_ready(server, 60)
+        with pytest.raises(DriverError, match="401: Unauthorized"):
+            ServerClient(server.endpoint, fence=1).pause_generation("abort")
+        with pytest.raises(DriverError, match="401: Unauthorized"):
+            ServerClient(server.endpoint, fence=1, token="x" * 64).pd_role_switch("decode", 2.0)
+        reader = ServerClient(server.endpoint)
+        assert reader.model_info()["disaggregation_mode"] == "prefill" and reader.health() and reader.is_idle()
+        assert generate(server, 3)["status"] != 401  # (a prefill server alone refuses it for want of a decode half)
+        owner = ServerClient(server.endpoint, fence=1, token=key)
+        owner.pd_role_switch("decode", decode_cuda_graph_memory_gb=2.0)
+        assert reader.model_info()["disaggregation_mode"] == "decode"
+    finally:
+        guarded.stop(15, grace_s=5)

@@ -30,7 +30,17 @@ parser.add_argument("--enable-memory-saver", action="store_true")
 parser.add_argument("--enable-weights-cpu-backup", action="store_true")
 parser.add_argument("--load-format", default="auto")
 parser.add_argument("--skip-tokenizer-init", action="store_true")
+parser.add_argument("--admin-api-key")
+parser.add_argument("--config")  # SGLang's YAML of further options; the driver puts the admin API key there
 args = parser.parse_args()
+if args.config:
+    import yaml
+
+    options = yaml.safe_load(Path(args.config).read_text()) or {}
+    unknown = sorted(set(options) - {"admin-api-key", "admin_api_key"})
+    if unknown:
+        sys.exit(f"--config {args.config}: options this stand-in does not take: {unknown}")
+    args.admin_api_key = options.get("admin-api-key") or options.get("admin_api_key") or args.admin_api_key
 
 devices = os.environ.get("CUDA_VISIBLE_DEVICES", "")
 if len([d for d in devices.split(",") if d]) != args.tp_size:
@@ -46,6 +56,8 @@ if args.enable_pd_role_switch:
     argv.append("--enable-pd-role-switch")
 if args.enable_memory_saver:
     argv.append("--enable-memory-saver")
+if args.admin_api_key:
+    argv += ["--admin-api-key", args.admin_api_key]
 if args.enable_weights_cpu_backup:
     argv.append("--enable-weights-cpu-backup")
 path = Path(args.model_path)
