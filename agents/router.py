@@ -17,11 +17,14 @@ What it adds to the routers:
 - While the current child has no worker that can serve (a mode switch under way, every worker
   restarting), requests are held, up to `max_held` of them for up to `hold_s` each, not failed.
 
-Admin API for the agents (no database): `POST /pearl/workers {url, role, bootstrap_port}` registers a
+Admin API for the agents (no database), on a port of its own (`admin_port`, bound to `admin_host`,
+localhost by default) and, with a `token`, only for requests bearing it (`Authorization: Bearer`,
+else 401): `POST /pearl/workers {url, role, bootstrap_port}` registers a
 worker with the child of its role and returns once the child lists it (a child being restarted
 records it, and lists it once it is back: `pending`); `DELETE /pearl/workers
 {url}` returns once it is gone; `PUT /pearl/mode {mode}`; `PUT /pearl/workers {mode, workers}` makes
-both children list exactly these workers; `GET /pearl/state`. The registrations and the mode are
+both children list exactly these workers; `GET /pearl/state` (also on the clients' port, read-only).
+The clients' port serves `/generate`, `/health` and `/pearl/state`. The registrations and the mode are
 also kept in `state.json` under the run directory, and a restarted front door registers again those
 workers that answer `/health`. One restarted without it lists none: the node agents register their
 serving workers again (agents/server_watch.py).
@@ -39,6 +42,7 @@ import contextlib
 import ctypes
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -89,6 +93,9 @@ class FrontDoorConfig:
     max_resubmits: int = 64  # per request
     request_timeout_s: float = 3600.0
     register_timeout_s: float = 30.0
+    admin_port: int = 0  # the admin API's port (0: any free one)
+    admin_host: str = "127.0.0.1"
+    token: str | None = field(default=None, repr=False)  # the admin API's bearer token (None: open)
     python: str = sys.executable
     router_args: tuple[str, ...] = ("--log-level", "warn", *REBALANCE_ARGS)
 
@@ -513,6 +520,40 @@ class FrontDoor:
 
 
 def build_app(door: FrontDoor) -> web.Application:
+    """The clients' port: generation, health and the state (read-only)."""
+    routes = web.RouteTableDef()
+
+    @routes.post("/generate")
+    async def generate(request: web.Request) -> web.StreamResponse:
+        return await door.generate(request)
+
+    @routes.get("/health")
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(text="OK")
+
+    @routes.get("/pearl/state")
+    async def state(request: web.Request) -> web.Response:
+        return web.json_response(await door.state())
+
+    app = web.Application(client_max_size=256 * 1024 * 1024)
+    app.add_routes(routes)
+    return app
+
+
+def _bearer_auth(token: str | None) -> Any:
+    @web.middleware
+    async def check(request: web.Request, handler: Any) -> web.StreamResponse:
+        if token and request.path != "/health":
+            scheme, _, given = (request.headers.get("Authorization") or "").partition(" ")
+            if scheme.lower() != "bearer" or not secrets.compare_digest(given.encode(), token.encode()):
+                return web.json_response({"error": {"message": "Unauthorized: the admin API needs the control "
+                                                               "token"}}, status=401)
+        return await handler(request)
+    return check
+
+
+def build_admin_app(door: FrontDoor) -> web.Application:
+    """The admin API (module docstring), behind the token when there is one."""
     routes = web.RouteTableDef()
 
     async def body_of(request: web.Request) -> dict[str, Any]:
@@ -544,10 +585,6 @@ def build_app(door: FrontDoor) -> web.Application:
         if raw not in MODES:
             raise web.HTTPBadRequest(text=f"{where}: one of {', '.join(MODES)}, not {raw!r}")
         return raw
-
-    @routes.post("/generate")
-    async def generate(request: web.Request) -> web.StreamResponse:
-        return await door.generate(request)
 
     @routes.get("/health")
     async def health(request: web.Request) -> web.Response:
@@ -599,7 +636,7 @@ def build_app(door: FrontDoor) -> web.Application:
                 return web.json_response({"error": {"message": str(exc)}}, status=502)
         return web.json_response(await door.state())
 
-    app = web.Application(client_max_size=256 * 1024 * 1024)
+    app = web.Application(client_max_size=16 * 1024 * 1024, middlewares=[_bearer_auth(door.cfg.token)])
     app.add_routes(routes)
     return app
 
@@ -612,11 +649,17 @@ async def serve(cfg: FrontDoorConfig) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     runner = web.AppRunner(build_app(door), handle_signals=False, shutdown_timeout=5.0, access_log=None)
+    admin = web.AppRunner(build_admin_app(door), handle_signals=False, shutdown_timeout=5.0, access_log=None)
     try:
         await door.start()
         await runner.setup()
+        await admin.setup()
         await web.TCPSite(runner, cfg.host, cfg.port, reuse_address=True).start()
-        print(f"front door on http://{cfg.host}:{cfg.port} (mode {door.mode}); routers: "
+        admin_site = web.TCPSite(admin, cfg.admin_host, cfg.admin_port, reuse_address=True)
+        await admin_site.start()
+        admin_port = admin_site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        print(f"front door on http://{cfg.host}:{cfg.port} (mode {door.mode}), admin API on "
+              f"http://{cfg.admin_host}:{admin_port}{'' if cfg.token else ' (no token)'}; routers: "
               + ", ".join(f"{m} {c.url} pid {c.proc.pid}" for m, c in door.children.items()),
               file=sys.stderr, flush=True)
         supervisor = asyncio.create_task(door.supervise(stop))
@@ -625,6 +668,7 @@ async def serve(cfg: FrontDoorConfig) -> None:
         with contextlib.suppress(asyncio.CancelledError):
             await supervisor
         print("front door: stopping", file=sys.stderr, flush=True)
+        await admin.cleanup()
         await runner.cleanup()
     finally:
         await door.stop()

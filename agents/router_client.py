@@ -13,19 +13,23 @@ from typing import Any
 import httpx
 from pearl.controlplane.core.domain import Role
 from pearl.controlplane.core.routing import WORKER_TYPE
+from pearl.controlplane.services.token import bearer
 
 from .drivers.base import DriverError
 from .server_client import HTTPClient
 
 
 class FrontDoorClient(HTTPClient):
-    def __init__(self, url: str, timeout_s: float = 60.0) -> None:
+    """`url`: the admin API's (`routers.admin_url`); `token`: the control token it needs."""
+
+    def __init__(self, url: str, timeout_s: float = 60.0, token: str | None = None) -> None:
         super().__init__(timeout_s)
         self.url = url.rstrip("/")
+        self.token = token
 
     def _call(self, method: str, path: str, body: Any = None) -> dict[str, Any]:
         try:
-            resp = self._http.request(method, self.url + path, json=body)
+            resp = self._http.request(method, self.url + path, json=body, headers=bearer(self.token))
         except httpx.HTTPError as exc:
             raise DriverError(f"front door {self.url}: no answer ({type(exc).__name__}: {exc})") from None
         if resp.status_code != 200:
@@ -81,8 +85,16 @@ class FleetFrontDoor:
       takes back only the servers that still answer `/health` (a stopped or sleeping one does not).
     """
 
-    def __init__(self, engine: Any, wait_s: float = 30.0, poll_s: float = 0.5) -> None:
+    def __init__(self, engine: Any, wait_s: float = 30.0, poll_s: float = 0.5, token: str | None = None) -> None:
         self.engine, self.wait_s, self.poll_s = engine, wait_s, poll_s
+        self._token = token
+
+    def token(self) -> str:
+        if self._token is None:
+            from pearl.controlplane.store.secrets import control_token
+
+            self._token = control_token(self.engine)
+        return self._token
 
     def live(self, wait: bool, timeout_s: float = 60.0) -> FrontDoorClient | None:
         """A client of the live front door; None when the fleet has none, or (not waiting) it is stopped."""
@@ -94,7 +106,7 @@ class FleetFrontDoor:
             if found is None:
                 return None
             if found.running:
-                return FrontDoorClient(found.admin_url, timeout_s)
+                return FrontDoorClient(found.admin_url, timeout_s, token=self.token())
             if time.monotonic() >= deadline:
                 if wait:
                     raise DriverError(f"the front door is stopped (restarting?) and did not come back within "

@@ -86,7 +86,7 @@ def agent(
         the_agent = Agent(engine, AgentConfig(node=node, driver=driver, lease_s=lease, poll_s=poll,
                                               max_steps=max_steps, crash_after_s=crash_after),
                           the_driver, client=lambda endpoint, fence: _client(endpoint, fence, token),
-                          front_door=lambda: _front_door(engine))
+                          front_door=lambda: _front_door(engine, token))
         handlers = {sig: signal.signal(sig, lambda *_: the_agent.stop()) for sig in (signal.SIGTERM, signal.SIGINT)}
         try:
             the_agent.run()
@@ -103,10 +103,10 @@ def _client(endpoint: str, fence: int, token: str) -> Any:
     return ServerClient(endpoint, fence=fence, token=token)
 
 
-def _front_door(engine: Any) -> Any:
+def _front_door(engine: Any, token: str) -> Any:
     from pearl.agents.router_client import FleetFrontDoor
 
-    return FleetFrontDoor(engine)
+    return FleetFrontDoor(engine, token=token)
 
 
 def _time_scale(engine: Any) -> float:

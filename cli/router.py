@@ -32,31 +32,52 @@ def serve(
     max_held: Annotated[int, typer.Option(help="Requests held at once before refusing.")] = 4096,
     register_in_db: Annotated[bool, typer.Option(
         "--register/--no-register", help="Record it in pearl's database, where the agents find it.")] = True,
+    admin_port: Annotated[int, typer.Option(help="The admin API's port (the agents'; 0: any free one).")] = 0,
+    admin_host: Annotated[str, typer.Option(help="Address the admin API binds (localhost unless agents on other "
+                                                 "nodes need it).")] = "127.0.0.1",
+    advertise_url: Annotated[str | None, typer.Option(
+        help="The clients' URL other nodes reach it at, as recorded (default http://HOST:PORT; required when "
+             "HOST is a wildcard such as 0.0.0.0).")] = None,
+    advertise_admin_url: Annotated[str | None, typer.Option(
+        help="The admin API's URL the agents reach it at (default http://ADMIN_HOST:ADMIN_PORT; required when "
+             "ADMIN_HOST is a wildcard).")] = None,
 ) -> None:
-    """Run the front door and its routers until SIGTERM."""
+    """Run the front door and its routers until SIGTERM. The admin API (the agents' registrations and
+    mode changes) has a port of its own and, with a database (or PEARL_TOKEN_FILE), needs the
+    control token."""
+    from pearl.agents.drivers.process import free_port
     from pearl.agents.router import MODES, FrontDoorConfig
     from pearl.agents.router import serve as run
+    from pearl.controlplane.services.token import token_from_file
 
     if mode is not None and mode not in MODES:
         raise BadInput(f"--mode: one of {', '.join(MODES)}, not {mode!r}")
     if not 0 < port < 65536:
         raise BadInput(f"--port: a TCP port (1-65535), not {port}")
+    if not 0 <= admin_port < 65536 or admin_port == port:
+        raise BadInput(f"--admin-port: a TCP port (0-65535) other than --port, not {admin_port}")
+    admin_port = admin_port or free_port()
+    url = _advertised("--advertise-url", advertise_url, host, port)
+    admin_url = _advertised("--advertise-admin-url", advertise_admin_url, admin_host, admin_port)
     if hold_s < 0 or max_held < 0:
         raise BadInput("--hold-s, --max-held: not negative")
     engine = None
+    token = token_from_file()
     if register_in_db:
         from pearl.controlplane.store.db import make_engine, require_schema
         from pearl.controlplane.store.routers import recorded_mode
+        from pearl.controlplane.store.secrets import control_token
 
         engine = make_engine()
         require_schema(engine)
+        token = control_token(engine)
         if mode is None:  # a front door started again on a new run directory serves the fleet's mode
             mode = recorded_mode(engine)
     # a state.json in the run directory overrides this: the mode it served before a restart
     cfg = FrontDoorConfig(port=port, host=host, mode=mode or "colocated", run_dir=str(run_dir) if run_dir else None,
-                          hold_s=hold_s, max_held=max_held)
+                          hold_s=hold_s, max_held=max_held, admin_port=admin_port, admin_host=admin_host, token=token)
     if engine is not None:
-        threading.Thread(target=_register_then_beat, args=(engine, cfg), daemon=True).start()
+        threading.Thread(target=_register_then_beat, args=(engine, cfg, url, admin_url), daemon=True).start()
     try:
         import asyncio
 
@@ -71,13 +92,33 @@ def serve(
             engine.dispose()
 
 
-def _register_then_beat(engine: object, cfg: object) -> None:
-    if _register_when_listening(engine, cfg):
+WILDCARDS = ("0.0.0.0", "::", "")
+
+
+def _advertised(option: str, given: str | None, host: str, port: int) -> str:
+    """The URL recorded for other processes: the one given, else the bound address (never a wildcard,
+    which names no host another node can reach)."""
+    from urllib.parse import urlsplit
+
+    if given is None:
+        if host in WILDCARDS:
+            raise BadInput(f"{option}: required when binding {host or 'every address'!r} (the URL other nodes "
+                           "reach it at)")
+        return f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+    parts = urlsplit(given)
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.hostname in WILDCARDS \
+            or parts.path not in ("", "/") or parts.query or parts.fragment:
+        raise BadInput(f"{option}: an http(s)://HOST[:PORT] URL other nodes can reach, not {given!r}")
+    return given.rstrip("/")
+
+
+def _register_then_beat(engine: object, cfg: object, url: str, admin_url: str) -> None:
+    if _register_when_listening(engine, cfg, url=url, admin_url=admin_url):
         _heartbeat(engine)
 
 
 def _register_when_listening(engine: object, cfg: object, timeout_s: float = 120.0,
-                             retry_max_s: float = 5.0) -> bool:
+                             retry_max_s: float = 5.0, url: str | None = None, admin_url: str | None = None) -> bool:
     """Record the front door in pearl's database (`routers`), where the agents find it, once it
     answers: an agent never registers a worker with a front door that is not listening yet. A database
     that does not answer (or gives up on the statement) is tried again until it does: the front door
@@ -87,12 +128,15 @@ def _register_when_listening(engine: object, cfg: object, timeout_s: float = 120
     import httpx
     from pearl.controlplane.store.routers import register_router
 
-    url = f"http://{cfg.host}:{cfg.port}"  # type: ignore[attr-defined]
+    host = cfg.host if cfg.host not in WILDCARDS else "127.0.0.1"  # type: ignore[attr-defined]
+    local = f"http://{host}:{cfg.port}"  # type: ignore[attr-defined]
+    url = url or local
+    admin_url = admin_url or url
     deadline = time.monotonic() + timeout_s
     wait_s = 0.1
     while time.monotonic() < deadline:
         try:
-            resp = httpx.get(url + "/pearl/state", timeout=2.0)
+            resp = httpx.get(local + "/pearl/state", timeout=2.0)
         except httpx.HTTPError:
             time.sleep(0.1)
             continue
@@ -104,7 +148,7 @@ def _register_when_listening(engine: object, cfg: object, timeout_s: float = 120
         except ValueError:
             mode = cfg.mode  # type: ignore[attr-defined]
         try:
-            register_router(engine, url=url, admin_url=url, host=cfg.host,  # type: ignore[arg-type,attr-defined]
+            register_router(engine, url=url, admin_url=admin_url, host=cfg.host,  # type: ignore[arg-type,attr-defined]
                             pid=os.getpid(), mode=mode)
         except PearlError as exc:  # the database away or busy: no deadline, the agents need the row
             print(f"front door: registering: {exc}; trying again in {wait_s:.1f} s", file=sys.stderr, flush=True)
@@ -143,8 +187,10 @@ def state(
     serving workers no router lists (the node agents' watches register them again) and the workers
     listed that do not serve."""
     from pearl.agents.router_client import FrontDoorClient
+    from pearl.controlplane.services.token import token_from_file
 
     engine = None
+    token = token_from_file()
     if url is None:
         from pearl.controlplane.store.db import make_engine, require_schema
         from pearl.controlplane.store.routers import front_door
@@ -160,8 +206,10 @@ def state(
             if not found.running:
                 raise PearlError(f"the fleet's front door ({found.admin_url}) is stopped: restarting, or stopped "
                                  f"on purpose; name another with --url")
-            url = found.admin_url
-        with FrontDoorClient(url) as client:
+            from pearl.controlplane.store.secrets import control_token
+
+            url, token = found.admin_url, control_token(engine)
+        with FrontDoorClient(url, token=token) as client:
             st = client.state()
         if engine is not None:
             st["rows"] = _compared_with_rows(engine, st)

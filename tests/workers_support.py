@@ -37,13 +37,15 @@ def spec(worker: int, role: Role, generation: int = 1, fence: int = 1, overlap: 
 @dataclass
 class FrontDoorProcess:
     proc: subprocess.Popen
-    url: str
+    url: str  # the clients'
     run_dir: Path
     log: Path
+    admin_url: str = ""  # the admin API's (the agents')
+    token: str | None = None  # what the admin API needs (registered in a database: the control token)
 
     @property
     def client(self) -> FrontDoorClient:
-        return FrontDoorClient(self.url)
+        return FrontDoorClient(self.admin_url, token=self.token)
 
     def children(self) -> list[int]:
         return [c.pid for c in psutil.Process(self.proc.pid).children(recursive=True)]
@@ -63,10 +65,12 @@ def start_front_door(run_dir: Path, port: int | None = None, mode: str | None = 
     """`pearlctl router serve` as a process; with `env` naming a database (PEARL_DATABASE_URL) it
     registers itself there, without it it runs alone (--no-register)."""
     port = port or free_port()
+    admin_port = free_port()
     run_dir.mkdir(parents=True, exist_ok=True)
     log = run_dir / "frontdoor.log"
     with log.open("ab") as err:
         proc = subprocess.Popen([sys.executable, "-m", "pearl.cli.router", "serve", "--port", str(port),
+                                 "--admin-port", str(admin_port),
                                  *(["--mode", mode] if mode else []), "--run-dir", str(run_dir),
                                  "--hold-s", str(hold_s),
                                  "--register" if env else "--no-register"],
@@ -79,13 +83,25 @@ def start_front_door(run_dir: Path, port: int | None = None, mode: str | None = 
             raise RuntimeError(f"front door exited {proc.returncode}: {log.read_text()[-2000:]}")
         try:
             if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return FrontDoorProcess(proc, url, run_dir, log)
+                return FrontDoorProcess(proc, url, run_dir, log, f"http://127.0.0.1:{admin_port}",
+                                        _token(env) if env else None)
         except httpx.HTTPError:
             pass
         if time.monotonic() > deadline:
             proc.kill()
             raise RuntimeError(f"front door not up in {timeout_s} s: {log.read_text()[-2000:]}")
         time.sleep(0.1)
+
+
+def _token(env: dict[str, str]) -> str:
+    from pearl.controlplane.store.db import make_engine
+    from pearl.controlplane.store.secrets import control_token
+
+    engine = make_engine(env["PEARL_DATABASE_URL"])
+    try:
+        return control_token(engine)
+    finally:
+        engine.dispose()
 
 
 @dataclass

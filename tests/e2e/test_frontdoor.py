@@ -324,3 +324,34 @@ def test_a_router_that_dies_is_started_again_with_its_workers_and_no_request_fai
     assert streamed["r"].status_code == 200 and len(streamed["r"].json()["output_ids"]) == 4
     assert dead["pid"] not in door.children()
     assert "router colocated started again" in door.log.read_text()
+
+
+def test_the_admin_api_has_a_port_of_its_own_and_needs_the_control_token(database_url: str, tmp_path) -> None:
+    """Clients reach generation and the state, never the admin API: a mode change or a worker
+    registered on the clients' port is not found there; on the admin port it needs the token (401)."""
+    from pearl.controlplane.store.db import make_engine, transaction
+    from sqlalchemy import text
+
+    env = {"PEARL_DATABASE_URL": database_url}
+    fd = start_front_door(tmp_path / "fd", env=env)
+    try:
+        for method, body in (("PUT", {"mode": "split"}), ("POST", {"url": "http://127.0.0.1:1", "role": "decode"})):
+            path = "/pearl/mode" if method == "PUT" else "/pearl/workers"
+            assert httpx.request(method, fd.url + path, json=body, timeout=10).status_code in (404, 405)
+            refused = httpx.request(method, fd.admin_url + path, json=body, timeout=10)
+            assert refused.status_code == 401
+            wrong = httpx.request(method, fd.admin_url + path, json=body, timeout=10,
+                                  headers={"Authorization": "Bearer " + "0" * 64})
+            assert wrong.status_code == 401
+        assert httpx.get(fd.url + "/pearl/state", timeout=10).json()["mode"] == "colocated"
+        fd.client.set_mode("split")  # with the token
+        assert fd.client.state()["mode"] == "split"
+        engine = make_engine(database_url)
+        try:
+            with transaction(engine) as s:
+                row = s.execute(text("SELECT url, admin_url FROM routers")).one()
+        finally:
+            engine.dispose()
+        assert (row.url, row.admin_url) == (fd.url, fd.admin_url)
+    finally:
+        fd.stop()

@@ -302,3 +302,16 @@ def test_an_inventory_node_name_or_address_that_is_not_one_is_refused(tmp_path: 
     node = {**INVENTORY["nodes"][0], field: value}
     res = invoke("cluster", "import", str(write(tmp_path / "bad.yaml", {**INVENTORY, "nodes": [node]})), "--json")
     assert res.exit_code == 2 and message in res.output
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--host", "0.0.0.0"], "--advertise-url: required when binding '0.0.0.0'"),
+    (["--admin-host", "::"], "--advertise-admin-url: required when binding '::'"),
+    (["--host", "0.0.0.0", "--advertise-url", "http://0.0.0.0:30000"], "--advertise-url: an http(s)://HOST"),
+    (["--advertise-url", "http://gpu-0:30000/x?y"], "--advertise-url: an http(s)://HOST"),
+    (["--port", "30000", "--admin-port", "30000"], "--admin-port: a TCP port (0-65535) other than --port"),
+])
+def test_a_front_door_that_would_record_an_address_no_node_can_reach_is_refused(args: list[str],
+                                                                               message: str) -> None:
+    res = invoke("router", "serve", "--no-register", *args)
+    assert res.exit_code == 2 and message in res.output
