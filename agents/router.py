@@ -63,6 +63,9 @@ MODES = ("colocated", "split")
 RETRYABLE = (500, 502, 503, 504)
 ADMIN_TIMEOUT = aiohttp.ClientTimeout(total=10)  # a child router's admin calls
 STABLE_S = 60.0  # a child router that ran this long before it died is started again at once
+PROBE_EVERY_S = 2.0  # a running child router is asked `/workers` this often ...
+PROBE_TIMEOUT = aiohttp.ClientTimeout(total=2)  # ... with this long to answer; ...
+HUNG_PROBES = 3  # ... and one that misses this many in a row is hung (stopped, deadlocked): killed, started again
 PR_SET_PDEATHSIG = 1
 
 
@@ -206,11 +209,16 @@ class FrontDoor:
         `STABLE_S` of its start, or whose restart fails, waits 2, 4, ... up to 30 s before the next."""
         failures = {mode: 0 for mode in self.children}
         next_try = {mode: 0.0 for mode in self.children}
+        missed = {mode: 0 for mode in self.children}
+        next_probe = clock() + PROBE_EVERY_S
         while True:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), every_s)
             if stop.is_set():
                 return
+            if clock() >= next_probe:
+                next_probe = clock() + PROBE_EVERY_S
+                await self._probe(missed)
             for child in self.children.values():
                 if child.proc is None or child.proc.poll() is None:
                     continue
@@ -234,6 +242,27 @@ class FrontDoor:
                         next_try[child.mode] = clock() + wait_s
                         print(f"front door: router {child.mode}: {type(exc).__name__}: {exc}; trying again in "
                               f"{wait_s:.0f} s", file=sys.stderr, flush=True)
+
+    async def _probe(self, missed: dict[str, int]) -> None:
+        """Ask every running child `/workers` at once; one that misses `HUNG_PROBES` answers in a row is
+        alive but hung (a SIGSTOP, a deadlock): it is killed, and the supervisor starts it again as it
+        does a child that exited (its requests get no answer and are sent again)."""
+        async def answers(child: Child) -> bool:
+            try:
+                async with self.session.get(child.url + "/workers", timeout=PROBE_TIMEOUT) as resp:
+                    return resp.status < 500
+            except (TimeoutError, aiohttp.ClientError, OSError):
+                return False
+
+        running = [c for c in self.children.values() if c.proc is not None and c.proc.poll() is None
+                   and not c.restarting and self.session is not None]
+        for child, ok in zip(running, await asyncio.gather(*(answers(c) for c in running)), strict=True):
+            missed[child.mode] = 0 if ok else missed[child.mode] + 1
+            if missed[child.mode] >= HUNG_PROBES:
+                missed[child.mode] = 0
+                print(f"front door: router {child.mode} (pid {child.proc.pid}) has not answered for "
+                      f"{HUNG_PROBES} probes; killing it", file=sys.stderr, flush=True)
+                child.proc.kill()  # SIGKILL ends a stopped process too
 
     async def _restart(self, child: Child) -> None:
         child.port, child.prometheus_port = free_port(), free_port()  # the old ones may linger

@@ -185,15 +185,23 @@ def _missing(body: dict[str, Any], *required: str) -> web.Response | None:
     return None
 
 
-def _fenced(state: SimState, request: web.Request) -> web.Response | None:
-    """409 for a command whose fence is older than the newest seen; records a newer one."""
+MAX_FENCE = 2**53  # fences come from a database sequence; one beyond this is no step's
+
+
+def _fenced(state: SimState, request: web.Request, required: bool = True) -> web.Response | None:
+    """400 for a command without a fence (where one is `required`: every command but the trainer's
+    broadcast, which no claim sends) or with one out of range; 409 for one older than the newest seen;
+    records a newer one."""
     raw = request.headers.get(FENCE_HEADER)
     if raw is None:
-        return None
+        return _error(400, f"{FENCE_HEADER}: required (the fencing token of the step or sync that sends the "
+                           "command)") if required else None
     try:
         fence = int(raw)
     except ValueError:
         return _error(400, f"{FENCE_HEADER}: not an integer: {raw!r}")
+    if not 0 <= fence < MAX_FENCE:
+        return _error(400, f"{FENCE_HEADER}: between 0 and 2^53, not {fence}")
     if fence < state.fence:
         return _error(409, f"fence {fence} is older than {state.fence}: a newer claim drives this server")
     state.fence = fence
@@ -460,7 +468,7 @@ def build_app(state: SimState) -> web.Application:
 
     @routes.post("/init_weights_update_group")
     async def init_group(request: web.Request) -> web.Response:
-        if (refused := _fenced(state, request)) is not None:
+        if (refused := _fenced(state, request, required=False)) is not None:
             return refused
         body = await _body(request)
         if (missing := _missing(body, "master_address", "master_port", "rank_offset", "world_size")) is not None:
@@ -488,7 +496,7 @@ def build_app(state: SimState) -> web.Application:
         """One bucket, as SGLang takes it: names, dtypes and shapes, then the broadcast of the flattened
         bucket; the tensors replace the ones of those names (the weights are partly new until the
         last bucket, which carries the version)."""
-        if (refused := _fenced(state, request)) is not None:
+        if (refused := _fenced(state, request, required=False)) is not None:
             return refused
         body = await _body(request)
         if (missing := _missing(body, "names", "dtypes", "shapes")) is not None:

@@ -117,7 +117,7 @@ def bring_to_version(api: Any, job: rows.SyncJob, load: Callable[[Any, rows.Sync
 
 
 def run_sync(engine: Any, worker_id: int, version: int, *, timeout_s: float = 120.0, retry_s: float = 0.5,
-             client: Callable[[str], Any] | None = None, actor: str = "weight sync",
+             client: Callable[[str, int], Any] | None = None, actor: str = "weight sync",
              load: Callable[[Any, rows.SyncJob], str] | None = None) -> SyncOutcome:
     """One task: bring `worker_id` to `version` and record it (module docstring)."""
     deadline = time.monotonic() + timeout_s
@@ -130,11 +130,11 @@ def run_sync(engine: Any, worker_id: int, version: int, *, timeout_s: float = 12
 
 
 def _attempts(engine: Any, worker_id: int, version: int, deadline: float, timeout_s: float, retry_s: float,
-              client: Callable[[str], Any] | None, actor: str, load: Callable[[Any, rows.SyncJob], str] | None,
+              client: Callable[[str, int], Any] | None, actor: str, load: Callable[[Any, rows.SyncJob], str] | None,
               reason: str) -> SyncOutcome:
     if client is None:
         token = control_token(engine)
-        client = lambda endpoint: ServerClient(endpoint, timeout_s=60.0, token=token)  # noqa: E731
+        client = lambda endpoint, fence: ServerClient(endpoint, timeout_s=60.0, fence=fence, token=token)  # noqa: E731
     make = client
     while True:
         with transaction(engine, actor=actor, reason=reason) as session:
@@ -142,7 +142,7 @@ def _attempts(engine: Any, worker_id: int, version: int, deadline: float, timeou
         if isinstance(job, str):
             log.info("%s: nothing to do (%s)", reason, job)
             return SyncOutcome(worker_id, version, "skipped", job)
-        api = make(job.endpoint)
+        api = make(job.endpoint, job.fence)
         try:
             method = bring_to_version(api, job, load)
             with transaction(engine) as session:

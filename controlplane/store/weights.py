@@ -61,7 +61,7 @@ class SyncJob:
     endpoint: str
     generation: int
     attempts: int
-
+    fence: int = 0  # the worker's last fence: what the sync's commands to its server carry
 
 @contextlib.contextmanager
 def sync_lock(engine: Engine, worker_id: int, timeout_s: float, poll_s: float = 0.05) -> Iterator[bool]:
@@ -193,7 +193,7 @@ def begin_sync(session: Session, worker_id: int, version: int) -> SyncJob | str:
     sync.state, sync.attempts, sync.started_at = "running", sync.attempts + 1, _now(session)
     session.flush()
     return SyncJob(sync.id, worker_id, version, snap.uri, snap.checksum, snap.tensors, w.endpoint, w.generation,
-                   sync.attempts)
+                   sync.attempts, w.last_fence or 0)
 
 
 def still_wanted(session: Session, job: SyncJob) -> str | None:

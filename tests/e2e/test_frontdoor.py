@@ -7,12 +7,14 @@ no request fails, and each server's /model_info and /v1/loads follow its role.""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
 import time
 
 import httpx
+import psutil
 import pytest
 from pearl.agents.drivers.sim import SimDriver
 from pearl.agents.server_client import ServerClient
@@ -355,3 +357,29 @@ def test_the_admin_api_has_a_port_of_its_own_and_needs_the_control_token(databas
         assert (row.url, row.admin_url) == (fd.url, fd.admin_url)
     finally:
         fd.stop()
+
+
+def test_a_router_that_hangs_is_killed_and_started_again_and_its_requests_are_answered(driver, door):
+    """A child router stopped (SIGSTOP: alive, answering nothing) is found out by its missed probes,
+    killed and started again with its workers; a request sent to it meanwhile is answered."""
+    server = start(driver, 0, Role.COLOCATED, 1)
+    door.client.register(server.endpoint, Role.COLOCATED)
+    hung = door.client.state()["children"]["colocated"]
+    answer: dict = {}
+
+    def request() -> None:
+        answer["r"] = httpx.post(door.url + "/generate", timeout=90,
+                                 json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4}})
+
+    os.kill(hung["pid"], signal.SIGSTOP)
+    try:
+        sender = threading.Thread(target=request)
+        sender.start()
+        _wait(lambda: not psutil.pid_exists(hung["pid"]) or psutil.Process(hung["pid"]).status() == "zombie", 30)
+        sender.join(60)
+        assert answer["r"].status_code == 200 and len(answer["r"].json()["output_ids"]) == 4
+        now = door.client.state()["children"]["colocated"]
+        assert now["pid"] != hung["pid"] and [w["url"] for w in now["workers"]] == [server.endpoint]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(hung["pid"], signal.SIGCONT)

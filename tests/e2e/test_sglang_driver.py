@@ -104,7 +104,7 @@ def test_launch_flip_and_stop_against_the_standin(standin_driver):
     assert client.server_info()["disaggregation_bootstrap_port"] == prefill.bootstrap_port
     client.pd_role_switch("decode", decode_cuda_graph_memory_gb=2.0)
     assert client.model_info()["disaggregation_mode"] == "decode"
-    ServerClient(decode.endpoint).release_memory_occupation()  # launched with the memory saver
+    ServerClient(decode.endpoint, fence=1).release_memory_occupation()  # launched with the memory saver
     pids = [prefill.pid, decode.pid]
     assert standin_driver.stop(0, grace_s=5) and standin_driver.stop(1, grace_s=5)
     assert wait_gone(pids) and standin_driver.servers() == []

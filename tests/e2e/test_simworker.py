@@ -121,9 +121,9 @@ def test_release_needs_the_memory_saver_and_an_idle_server(driver):
     driver.wait_ready(plain, 60)
     driver.wait_ready(saver, 60)
     with pytest.raises(DriverError, match="enable-memory-saver"):
-        ServerClient(plain.endpoint).release_memory_occupation()
+        ServerClient(plain.endpoint, fence=1).release_memory_occupation()
     t, _ = in_background(generate, saver, 3000)
-    client = ServerClient(saver.endpoint)
+    client = ServerClient(saver.endpoint, fence=1)
     while client.is_idle():
         time.sleep(0.01)
     with pytest.raises(DriverError, match="drain it"):
@@ -170,7 +170,7 @@ def test_role_switch_only_when_idle_and_only_between_split_roles(driver):
     driver.wait_ready(colocated, 60)
     driver.wait_ready(decode, 60)
     with pytest.raises(DriverError, match="enable-pd-role-switch is not set"):  # colocated: launched without it
-        ServerClient(colocated.endpoint).pd_role_switch("prefill")
+        ServerClient(colocated.endpoint, fence=1).pd_role_switch("prefill")
     # a decode half waiting for its KV keeps the server busy: no switch (its prefill server never answers)
     silent = socket.socket()
     silent.bind(("127.0.0.1", 0))
@@ -178,7 +178,7 @@ def test_role_switch_only_when_idle_and_only_between_split_roles(driver):
     t, box = in_background(lambda: httpx.post(decode.endpoint + "/generate", timeout=60, json={
         "input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 5}, "bootstrap_host": "127.0.0.1",
         "bootstrap_port": silent.getsockname()[1], "bootstrap_room": 42}).json())
-    client = ServerClient(decode.endpoint)
+    client = ServerClient(decode.endpoint, fence=1)
     deadline = time.monotonic() + 10
     while client.is_idle():
         assert time.monotonic() < deadline
@@ -443,3 +443,17 @@ def test_with_an_admin_key_commands_need_it_and_reads_and_generation_do_not(tmp_
         assert reader.model_info()["disaggregation_mode"] == "decode"
     finally:
         guarded.stop(15, grace_s=5)
+
+
+def test_a_command_needs_a_fence_and_one_beyond_any_step_is_refused(driver):
+    """A command without `X-Pearl-Fence`, or with one no database sequence gave (2^63-1 used to raise the
+    floor so that every later claim got 409), is refused and changes nothing."""
+    server = driver.launch(spec(16, Role.PREFILL, fence=3))
+    driver.wait_ready(server, 60)
+    with pytest.raises(DriverError, match="400: X-Pearl-Fence: required"):
+        ServerClient(server.endpoint).pd_role_switch("decode", 2.0)
+    with pytest.raises(DriverError, match="400: X-Pearl-Fence: between 0 and 2\\^53"):
+        ServerClient(server.endpoint, fence=2**63 - 1).pd_role_switch("decode", 2.0)
+    assert ServerClient(server.endpoint).model_info()["disaggregation_mode"] == "prefill"
+    ServerClient(server.endpoint, fence=4).pd_role_switch("decode", decode_cuda_graph_memory_gb=2.0)  # a claim's
+    assert ServerClient(server.endpoint).model_info()["disaggregation_mode"] == "decode"

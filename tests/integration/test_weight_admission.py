@@ -158,7 +158,8 @@ def test_a_server_left_paused_by_a_failed_resume_is_resumed_before_the_sync_is_d
                 raise DriverError(f"{self.endpoint}: continue_generation timed out")
             super().continue_generation()
 
-    outcome = run_sync(db_engine, 1, 1, client=lambda endpoint: ResumeLostOnce(servers, endpoint), retry_s=0.05)
+    outcome = run_sync(db_engine, 1, 1, client=lambda endpoint, fence: ResumeLostOnce(servers, endpoint, fence),
+                       retry_s=0.05)
     assert outcome.result == "done" and outcome.attempts == 2
     assert driver.by_worker[1].commands[-4:] == ["pause:retract", "load:1", "continue:timed-out", "continue"]
     assert driver.by_worker[1].weight_version == 1 and [r["state"] for r in sync_rows(db_engine)] == ["done"]
