@@ -96,6 +96,7 @@ class FrontDoorConfig:
     max_resubmits: int = 64  # per request
     request_timeout_s: float = 3600.0
     register_timeout_s: float = 30.0
+    drain_s: float = 60.0  # at SIGTERM: how long the requests in flight may take to finish
     admin_port: int = 0  # the admin API's port (0: any free one)
     admin_host: str = "127.0.0.1"
     token: str | None = field(default=None, repr=False)  # the admin API's bearer token (None: open)
@@ -453,10 +454,10 @@ class FrontDoor:
             return web.json_response({"error": {"message": "body is not JSON"}}, status=400)
         if not isinstance(body, dict):
             return web.json_response({"error": {"message": "body must be a JSON object"}}, status=400)
-        if body.get("stream"):
-            return await self._passthrough(request, body)
         self.inflight += 1
         try:
+            if body.get("stream"):
+                return await self._passthrough(request, body)
             return await self._generate(body)
         finally:
             self.inflight -= 1
@@ -674,16 +675,21 @@ async def serve(cfg: FrontDoorConfig) -> None:
     """Run the front door and its two routers until SIGTERM or SIGINT."""
     door = FrontDoor(cfg)
     loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
+    stop, hurry = asyncio.Event(), asyncio.Event()
+
+    def on_signal() -> None:  # the first asks for a drain, a second for an end now
+        (hurry if stop.is_set() else stop).set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal)
     runner = web.AppRunner(build_app(door), handle_signals=False, shutdown_timeout=5.0, access_log=None)
     admin = web.AppRunner(build_admin_app(door), handle_signals=False, shutdown_timeout=5.0, access_log=None)
     try:
         await door.start()
         await runner.setup()
         await admin.setup()
-        await web.TCPSite(runner, cfg.host, cfg.port, reuse_address=True).start()
+        public_site = web.TCPSite(runner, cfg.host, cfg.port, reuse_address=True)
+        await public_site.start()
         admin_site = web.TCPSite(admin, cfg.admin_host, cfg.admin_port, reuse_address=True)
         await admin_site.start()
         admin_port = admin_site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
@@ -691,8 +697,18 @@ async def serve(cfg: FrontDoorConfig) -> None:
               f"http://{cfg.admin_host}:{admin_port}{'' if cfg.token else ' (no token)'}; routers: "
               + ", ".join(f"{m} {c.url} pid {c.proc.pid}" for m, c in door.children.items()),
               file=sys.stderr, flush=True)
-        supervisor = asyncio.create_task(door.supervise(stop))
+        supervisor = asyncio.create_task(door.supervise(hurry))
         await stop.wait()
+        # no new requests; those in flight (and held) finish, their routers still supervised, within
+        # `drain_s` (a second signal ends the wait); the admin API stays up for the agents meanwhile
+        print(f"front door: stopping: {door.inflight} request(s) in flight, up to {cfg.drain_s:g} s to finish",
+              file=sys.stderr, flush=True)
+        await public_site.stop()
+        deadline = loop.time() + cfg.drain_s
+        while (door.inflight or door.held) and loop.time() < deadline and not hurry.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(hurry.wait(), 0.05)
+        hurry.set()
         supervisor.cancel()  # a restart under way stops too: its child is stopped with the others
         with contextlib.suppress(asyncio.CancelledError):
             await supervisor

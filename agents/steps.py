@@ -425,7 +425,8 @@ def _load(ctx: StepContext, w: WorkerView, version: int) -> None:
         raise DriverError(f"worker {w.id} has no server to load weights version {version} into")
     if not w.snapshot:
         raise DriverError(f"weights version {version} has no snapshot to load")
-    with weight_rows.sync_lock(ctx.engine, w.id, ctx.timeouts.weights_s) as held:
+    with weight_rows.sync_lock(ctx.engine, w.id, ctx.timeouts.weights_s, cancelled=ctx.cancel) as held:
+        ctx.check()  # stopped while it waited: the step ends now, not when the wait runs out
         if not held:
             raise DriverError(f"worker {w.id}: a weight sync held it for {ctx.timeouts.weights_s:g} s")
         ctx.check()

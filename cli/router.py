@@ -30,6 +30,8 @@ def serve(
     run_dir: Annotated[Path | None, typer.Option(help="State and router logs (default ./frontdoor).")] = None,
     hold_s: Annotated[float, typer.Option(help="How long a request may wait for workers of the mode.")] = 120.0,
     max_held: Annotated[int, typer.Option(help="Requests held at once before refusing.")] = 4096,
+    drain_s: Annotated[float, typer.Option(help="At SIGTERM, how long the requests in flight may take to finish "
+                                                "(a second SIGTERM ends the wait).")] = 60.0,
     register_in_db: Annotated[bool, typer.Option(
         "--register/--no-register", help="Record it in pearl's database, where the agents find it.")] = True,
     admin_port: Annotated[int, typer.Option(help="The admin API's port (the agents'; 0: any free one).")] = 0,
@@ -59,8 +61,8 @@ def serve(
     admin_port = admin_port or free_port()
     url = _advertised("--advertise-url", advertise_url, host, port)
     admin_url = _advertised("--advertise-admin-url", advertise_admin_url, admin_host, admin_port)
-    if hold_s < 0 or max_held < 0:
-        raise BadInput("--hold-s, --max-held: not negative")
+    if hold_s < 0 or max_held < 0 or drain_s < 0:
+        raise BadInput("--hold-s, --max-held, --drain-s: not negative")
     engine = None
     token = token_from_file()
     if register_in_db:
@@ -75,7 +77,8 @@ def serve(
             mode = recorded_mode(engine)
     # a state.json in the run directory overrides this: the mode it served before a restart
     cfg = FrontDoorConfig(port=port, host=host, mode=mode or "colocated", run_dir=str(run_dir) if run_dir else None,
-                          hold_s=hold_s, max_held=max_held, admin_port=admin_port, admin_host=admin_host, token=token)
+                          hold_s=hold_s, max_held=max_held, drain_s=drain_s, admin_port=admin_port,
+                          admin_host=admin_host, token=token)
     if engine is not None:
         threading.Thread(target=_register_then_beat, args=(engine, cfg, url, admin_url), daemon=True).start()
     try:

@@ -16,6 +16,7 @@ changes nothing, so a redelivered or repeated task takes effect once.
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -64,9 +65,11 @@ class SyncJob:
     fence: int = 0  # the worker's last fence: what the sync's commands to its server carry
 
 @contextlib.contextmanager
-def sync_lock(engine: Engine, worker_id: int, timeout_s: float, poll_s: float = 0.05) -> Iterator[bool]:
-    """Hold the worker's sync lock (True), or give up after `timeout_s` (False). A session-level
-    advisory lock on a connection of its own: released when the block ends or the connection dies."""
+def sync_lock(engine: Engine, worker_id: int, timeout_s: float, poll_s: float = 0.05,
+              cancelled: threading.Event | None = None) -> Iterator[bool]:
+    """Hold the worker's sync lock (True), or give up after `timeout_s` or once `cancelled` is set
+    (False). A session-level advisory lock on a connection of its own: released when the block ends or
+    the connection dies."""
     conn = engine.connect()
     held = False
     try:
@@ -75,9 +78,12 @@ def sync_lock(engine: Engine, worker_id: int, timeout_s: float, poll_s: float = 
             held = bool(conn.execute(text("SELECT pg_try_advisory_lock(:space, :worker)"),
                                      {"space": LOCK_SPACE, "worker": worker_id}).scalar())
             conn.commit()
-            if held or time.monotonic() >= deadline:
+            if held or time.monotonic() >= deadline or (cancelled is not None and cancelled.is_set()):
                 break
-            time.sleep(poll_s)
+            if cancelled is not None:
+                cancelled.wait(poll_s)
+            else:
+                time.sleep(poll_s)
         yield held
     finally:
         try:

@@ -272,3 +272,23 @@ def test_a_command_is_not_sent_once_the_claim_no_longer_holds(db_engine: Engine,
         load_weights(ctx)
     assert stopped.value.reason == ("plan" if lost == "plan" else "claim")
     assert not any(c.startswith("load") for s in servers.by_endpoint.values() for c in s.commands)
+
+
+def test_a_load_waiting_for_a_weight_sync_stops_at_once_when_its_step_is_stopped(db_engine: Engine, tmp_path: Path,
+                                                                                no_broker: None) -> None:
+    """It used to wait out the whole timeout (600 s by default) for the sync's lock before it noticed."""
+    from pearl.agents.steps import StepCancelled
+
+    servers, front_door, driver, _, step = at_load_weights(db_engine, tmp_path)
+    ctx = context(db_engine, step, servers, driver, front_door, weights_s=60)
+    with rows.sync_lock(db_engine, 1, timeout_s=1) as held:  # a sync of worker 1 is at work
+        assert held
+        thread, errors = in_background(lambda: load_weights(ctx))
+        thread.join(0.5)
+        assert thread.is_alive()
+        started = time.monotonic()
+        ctx.stop("shutdown")
+        thread.join(10)
+        assert not thread.is_alive() and time.monotonic() - started < 5
+    assert len(errors) == 1 and isinstance(errors[0], StepCancelled) and errors[0].reason == "shutdown"
+    assert driver.by_worker[1].commands == []
