@@ -40,7 +40,7 @@ from typing import Any
 
 from pearl.agents.drivers.base import Driver
 from pearl.agents.server_watch import ServerWatch
-from pearl.agents.steps import HANDLERS, FrontDoorAPI, ServerAPI, StepCancelled, StepContext, Timeouts
+from pearl.agents.steps import HANDLERS, FrontDoorAPI, ServerAPI, StepCancelled, StepContext, Timeouts, served_version
 from pearl.controlplane.core.domain import PlanStatus, StepStatus
 from pearl.controlplane.errors import ClaimLost, DatabaseUnavailable, NodeTaken, PearlError
 from pearl.controlplane.store import agent_registry, plan_store, reaper, step_effects
@@ -313,6 +313,18 @@ class Agent:
 
     # -- the servers between steps --------------------------------------------------------------
 
+    def _served_version(self, endpoint: str) -> int | None:
+        """The weights version the server at `endpoint` reports; None when it does not answer."""
+        api = self.client(endpoint, None)
+        try:
+            return served_version(api.model_info())
+        except Exception:  # no answer: the health check decides about that
+            return None
+        finally:
+            close = getattr(api, "close", None)
+            if close is not None:
+                close()
+
     def _health(self, endpoint: str) -> bool:
         api = self.client(endpoint, None)
         try:
@@ -346,7 +358,7 @@ class Agent:
     def _watch(self) -> None:
         c = self.config
         watch = ServerWatch(self.engine, c.node, self.driver, self._health, self.front_door, c.crash_after_s,
-                            aside=self._held_aside, relist_s=c.relist_s)
+                            aside=self._held_aside, relist_s=c.relist_s, served=self._served_version)
         self._start_thread(self._every, f"relist-{c.node}", watch.register_missing)
         self._every(watch.check, watch.stop_leftovers)
 

@@ -12,6 +12,11 @@ front door stops routing to it. The policy plans the capacity back.
 A process the driver runs counts as up whatever generation it was launched for: an overlap server
 woken for a new loan keeps its process (and its record) while the worker's generation moves on.
 
+A server that answers but serves an older weights version than its row says (restarted by other
+means on the same address, with the weights it was launched with) is taken out of service at once
+the same way: its row would otherwise claim weights it does not run. (A newer version than the row
+is a sync or broadcast whose record is on its way, not a fault.)
+
 Each pass also stops the servers left running under workers out of service (`store.crashes.
 out_of_service`): a revoked preemptible GPU whose notice ran out before its plan released it, a
 start that failed after its launch. Each is taken off the front door, then stopped only while it is
@@ -62,13 +67,14 @@ class ServerWatch:
                  front_door: Callable[[], FrontDoorAPI], crash_after_s: float,
                  clock: Callable[[], float] = time.monotonic,
                  aside: Callable[[int], contextlib.AbstractContextManager[bool]] = always_aside,
-                 relist_s: float = 30.0) -> None:
+                 relist_s: float = 30.0, served: Callable[[str], int | None] | None = None) -> None:
         self.engine, self.node, self.driver = engine, node, driver
         self.health, self.front_door = health, front_door
         self.crash_after_s = crash_after_s
         self.clock = clock
         self.aside = aside
         self.relist_s = relist_s
+        self.served = served  # endpoint -> the weights version its server reports (None: no answer)
         self.down_since: dict[crashes.Serving, float] = {}
         self.door_seen: Any = None  # the start of the front door last asked what it lists
         self.next_relist = 0.0
@@ -103,12 +109,17 @@ class ServerWatch:
         for seen in watched:
             if not self.down(seen):
                 self.down_since.pop(seen, None)
-                continue
-            since = self.down_since.setdefault(seen, now)
-            if now - since < self.crash_after_s:
-                continue
-            reason = (f"the server of worker {seen.worker_id} at {seen.endpoint} (generation {seen.generation}) "
-                      f"is gone: no process, no answer for {now - since:.0f} s")
+                version = self.served(seen.endpoint) if self.served is not None else None
+                if version is None or version >= seen.weights_version:
+                    continue
+                reason = (f"the server of worker {seen.worker_id} at {seen.endpoint} serves weights version "
+                          f"{version}, its row says {seen.weights_version}: restarted by other means")
+            else:
+                since = self.down_since.setdefault(seen, now)
+                if now - since < self.crash_after_s:
+                    continue
+                reason = (f"the server of worker {seen.worker_id} at {seen.endpoint} (generation {seen.generation}) "
+                          f"is gone: no process, no answer for {now - since:.0f} s")
             with transaction(self.engine, actor=f"agent {self.node}", reason=reason) as session:
                 taken = crashes.mark_crashed(session, seen)
             self.down_since.pop(seen, None)

@@ -35,6 +35,7 @@ class Serving:
     worker_id: int
     endpoint: str
     generation: int
+    weights_version: int = 0  # what the rows say it serves
 
 
 def _step_running(worker_id: object) -> object:
@@ -49,11 +50,12 @@ def serving(session: Session, node: str) -> list[Serving]:
     """The node's active workers with a server, but none a plan step or a weight sync is at work on
     (a paused server loading weights is not a crashed one)."""
     rows = session.execute(
-        select(Worker.id, Worker.endpoint, Worker.generation).join(Node, Node.id == Worker.node_id)
+        select(Worker.id, Worker.endpoint, Worker.generation, Worker.weights_version)
+        .join(Node, Node.id == Worker.node_id)
         .where(Node.name == node, Worker.activity == Activity.ACTIVE, Worker.endpoint.is_not(None),
                ~_step_running(Worker.id), ~_sync_running(Worker.id))
         .order_by(Worker.id))
-    return [Serving(int(i), str(e), int(g)) for i, e, g in rows]
+    return [Serving(int(i), str(e), int(g), int(v)) for i, e, g, v in rows]
 
 
 def mark_crashed(session: Session, seen: Serving) -> bool:

@@ -142,6 +142,29 @@ def test_a_server_restarted_by_other_means_or_alive_but_silent_is_not_declared_c
     assert worker(live.engine, 1)["activity"] == "active"
 
 
+def test_a_server_serving_older_weights_than_its_row_is_taken_out_of_service(live: LiveFleet) -> None:
+    """A server restarted by other means on the same address answers, with the weights it was launched
+    with: its row's weights version would be a lie, so the worker leaves service (a newer version than
+    the row is a sync on its way, not a fault)."""
+    live.start_agent("node-a", crash_after_s=60.0)
+    live.serve({1, 2})
+    for agent, thread in live.agents:  # only this test's watch looks
+        agent.stop()
+        thread.join(30)
+    live.agents.clear()
+    with transaction(live.engine) as s:
+        s.execute(text("UPDATE workers SET weights_version = 3 WHERE id IN (1, 2)"))
+    seen = {s.worker_id: s for s in _serving(live)}
+    served = {seen[1].endpoint: 3, seen[2].endpoint: 3}
+    watch = ServerWatch(live.engine, "node-a", live.drivers["node-a"], lambda ep: True, RecordingFrontDoor,
+                        crash_after_s=5.0, served=lambda ep: served[ep])
+    assert watch.check() == []
+    served[seen[1].endpoint] = 4  # ahead of its row: a sync whose record is on its way
+    served[seen[2].endpoint] = 0  # restarted with its launch weights
+    assert watch.check() == [2]
+    assert worker(live.engine, 2)["activity"] == "inactive" and worker(live.engine, 1)["activity"] == "active"
+
+
 def test_the_rows_refuse_a_crash_that_does_not_match_what_was_seen(live: LiveFleet) -> None:
     live.start_agent("node-a", crash_after_s=60.0)
     live.serve({1, 2})
