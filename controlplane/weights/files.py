@@ -191,6 +191,8 @@ def load_snapshot(model_path: str) -> Snapshot:
                 raise SnapshotError(f"tensor {name}: in the manifest, missing from the snapshot")
             got = digests[name]
             want = meta.get(name) or {}
+            if not isinstance(want, dict):
+                raise SnapshotError(f"tensor {name}: its manifest meta is {want!r}, not an object with dtype and shape")
             if want.get("dtype") not in (None, got.dtype):
                 raise SnapshotError(f"tensor {name}: dtype {got.dtype}, manifest {want['dtype']}")
             if want.get("shape") not in (None, list(got.shape)):
