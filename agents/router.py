@@ -549,13 +549,9 @@ class FrontDoor:
                 return out
 
 
-def build_app(door: FrontDoor) -> web.Application:
-    """The clients' port: generation, health and the state (read-only)."""
+def _reads(door: FrontDoor) -> web.RouteTableDef:
+    """What both ports answer: health and the state."""
     routes = web.RouteTableDef()
-
-    @routes.post("/generate")
-    async def generate(request: web.Request) -> web.StreamResponse:
-        return await door.generate(request)
 
     @routes.get("/health")
     async def health(request: web.Request) -> web.Response:
@@ -564,6 +560,17 @@ def build_app(door: FrontDoor) -> web.Application:
     @routes.get("/pearl/state")
     async def state(request: web.Request) -> web.Response:
         return web.json_response(await door.state())
+
+    return routes
+
+
+def build_app(door: FrontDoor) -> web.Application:
+    """The clients' port: generation, health and the state (read-only)."""
+    routes = _reads(door)
+
+    @routes.post("/generate")
+    async def generate(request: web.Request) -> web.StreamResponse:
+        return await door.generate(request)
 
     app = web.Application(client_max_size=256 * 1024 * 1024)
     app.add_routes(routes)
@@ -584,7 +591,7 @@ def _bearer_auth(token: str | None) -> Any:
 
 def build_admin_app(door: FrontDoor) -> web.Application:
     """The admin API (module docstring), behind the token when there is one."""
-    routes = web.RouteTableDef()
+    routes = _reads(door)
 
     async def body_of(request: web.Request) -> dict[str, Any]:
         try:
@@ -615,14 +622,6 @@ def build_admin_app(door: FrontDoor) -> web.Application:
         if raw not in MODES:
             raise web.HTTPBadRequest(text=f"{where}: one of {', '.join(MODES)}, not {raw!r}")
         return raw
-
-    @routes.get("/health")
-    async def health(request: web.Request) -> web.Response:
-        return web.Response(text="OK")
-
-    @routes.get("/pearl/state")
-    async def state(request: web.Request) -> web.Response:
-        return web.json_response(await door.state())
 
     @routes.post("/pearl/workers")
     async def add(request: web.Request) -> web.Response:

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 
 import pytest
 from agent_support import FakeDriver, FakeFrontDoor, FakeServers
+from db_faults import refuse_first, refused
 from pearl.agents.agent import Agent, AgentConfig
 from pearl.agents.drivers.base import DriverError
 from pearl.agents.steps import Timeouts
@@ -614,22 +615,12 @@ def test_pearlctl_reap_rescues_a_dead_agents_step(fleet: Fleet, database_url: st
 def test_a_database_error_inside_a_step_runs_the_step_again_and_fails_no_plan(fleet: Fleet, sqlstate: str) -> None:
     """The database gives up on the statement that reports a step's success (a serialization failure,
     a cancelled statement, a dropped connection): the step's handler runs again, the plan succeeds."""
-    with fleet.engine.begin() as conn:
-        conn.execute(text("CREATE SEQUENCE fail_once"))  # nextval is not rolled back with the failure
-        conn.execute(text(f"""
-            CREATE FUNCTION fail_once() RETURNS trigger LANGUAGE plpgsql AS $$
-            BEGIN
-              IF NEW.status = 'succeeded' AND OLD.status = 'running' AND nextval('fail_once') <= 3 THEN
-                RAISE EXCEPTION 'injected by the test' USING ERRCODE = '{sqlstate}';
-              END IF;
-              RETURN NEW;
-            END $$"""))
-        conn.execute(text("CREATE TRIGGER fail_once BEFORE UPDATE ON plan_steps FOR EACH ROW EXECUTE FUNCTION "
-                          "fail_once()"))
+    refuse_first(fleet.engine, "fail_once", "plan_steps", "UPDATE", [sqlstate] * 3,
+                 when="NEW.status = 'succeeded' AND OLD.status = 'running'")
     fleet.start("node-a")
     fleet.start("node-b")
     summary = apply_and_wait(fleet.engine, target(colocated=4))
     assert summary["status"] == "succeeded", summary["error"]
+    assert refused(fleet.engine, "fail_once") > 3  # the injected failures hit
     with fleet.engine.begin() as conn:
-        assert conn.execute(text("SELECT last_value FROM fail_once")).scalar() > 3  # the injected failures hit
         assert conn.execute(text("SELECT count(*) FROM plans WHERE status = 'failed'")).scalar() == 0

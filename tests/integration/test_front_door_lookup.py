@@ -9,6 +9,7 @@ import threading
 import time
 
 import pytest
+from db_faults import refuse_first
 from pearl.agents.drivers.base import DriverError
 from pearl.agents.router_client import FleetFrontDoor, FrontDoorClient
 from pearl.controlplane.store.db import transaction
@@ -125,19 +126,7 @@ def test_a_database_that_refuses_the_front_doors_registration_a_while_does_not_l
         def log_message(self, *args: object) -> None:
             pass
 
-    with db_engine.begin() as conn:
-        conn.execute(text("CREATE SEQUENCE refuse_router"))
-        conn.execute(text("""
-            CREATE FUNCTION refuse_router() RETURNS trigger LANGUAGE plpgsql AS $$
-            DECLARE n bigint := nextval('refuse_router');
-            BEGIN
-              IF n = 1 THEN RAISE EXCEPTION 'statement timeout' USING ERRCODE = '57014';
-              ELSIF n = 2 THEN RAISE EXCEPTION 'connection lost' USING ERRCODE = '08006';
-              END IF;
-              RETURN NEW;
-            END $$"""))
-        conn.execute(text("CREATE TRIGGER refuse_router BEFORE INSERT OR UPDATE ON routers FOR EACH ROW "
-                          "EXECUTE FUNCTION refuse_router()"))
+    refuse_first(db_engine, "refuse_router", "routers", "INSERT OR UPDATE", ["57014", "08006"])
     server = ThreadingHTTPServer(("127.0.0.1", 0), State)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from datetime import UTC, datetime
 
 import pytest
+from db_faults import refuse_first, refused
 from pearl.cli.app import app
 from pearl.controlplane.api import ControlPlane, ReturnsLate
 from pearl.controlplane.core.domain import Activity, PlanStatus
@@ -298,20 +299,7 @@ def test_progress_within_a_step_wakes_a_pass_only_at_a_new_step_or_its_tail(cp: 
 def test_the_loop_outlives_statements_the_database_gives_up_on(cp: ControlPlane) -> None:
     """A cancelled statement, a deadlock and an error the loop has no name for each end one pass, not
     the loop: the next pass runs."""
-    with cp.engine.begin() as conn:
-        conn.execute(text("CREATE SEQUENCE refuse_tick"))  # nextval is not rolled back with the failure
-        conn.execute(text("""
-            CREATE FUNCTION refuse_tick() RETURNS trigger LANGUAGE plpgsql AS $$
-            DECLARE n bigint := nextval('refuse_tick');
-            BEGIN
-              IF n = 1 THEN RAISE EXCEPTION 'canceling statement due to statement timeout' USING ERRCODE = '57014';
-              ELSIF n = 2 THEN RAISE EXCEPTION 'deadlock detected' USING ERRCODE = '40P01';
-              ELSIF n = 3 THEN RAISE EXCEPTION 'something else' USING ERRCODE = 'XX000';
-              END IF;
-              RETURN NEW;
-            END $$"""))
-        conn.execute(text("CREATE TRIGGER refuse_tick BEFORE INSERT ON ticks FOR EACH ROW EXECUTE FUNCTION "
-                          "refuse_tick()"))
+    refuse_first(cp.engine, "refuse_tick", "ticks", "INSERT", ["57014", "40P01", "XX000"])
     loop = PolicyLoop(cp.engine, LoopConfig(interval_s=0.2, lease_s=30, min_gap_s=0.05))
     runner = threading.Thread(target=loop.run, daemon=True)
     runner.start()
@@ -321,5 +309,4 @@ def test_the_loop_outlives_statements_the_database_gives_up_on(cp: ControlPlane)
     finally:
         loop.stop()
         runner.join(10)
-    with cp.engine.begin() as conn:
-        assert conn.execute(text("SELECT last_value FROM refuse_tick")).scalar() >= 4
+    assert refused(cp.engine, "refuse_tick") >= 4
