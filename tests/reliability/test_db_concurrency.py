@@ -232,3 +232,25 @@ def test_every_connection_bounds_its_statements_and_watches_its_peer(database_ur
                 session.execute(text("SELECT pg_sleep(2)"))
     finally:
         engine.dispose()
+
+
+def test_a_managed_database_behind_several_hosts_is_reached_on_the_one_that_writes(database_url: str) -> None:
+    """A managed PostgreSQL with a standby: several hosts in the URL (`host=` once each), libpq tries
+    them in turn and keeps the one that takes writes (`target_session_attrs=read-write`); TLS when the
+    server offers it (`sslmode=prefer`; `require` or `verify-full` in production). A failover is a
+    restart to pearl."""
+    from pearl.controlplane.services.settings import normalise_database_url
+    from pearl.controlplane.store.db import make_engine
+    from sqlalchemy.engine import make_url
+
+    url = make_url(database_url)
+    real = url.query.get("host") or f"{url.host}:{url.port or 5432}"
+    dead = "/nonexistent-socket-dir" if str(real).startswith("/") else "127.0.0.1:1"
+    several = url.set(host=None, port=None, query={"host": [dead, str(real)], "target_session_attrs": "read-write",
+                                                   "sslmode": "prefer"})
+    engine = make_engine(normalise_database_url(several.render_as_string(hide_password=False)))
+    try:
+        with engine.connect() as conn:
+            assert conn.execute(text("SELECT pg_is_in_recovery()")).scalar() is False
+    finally:
+        engine.dispose()
