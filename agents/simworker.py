@@ -20,7 +20,6 @@ that the control plane needs: a SIGKILL loses only in-flight requests, which the
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import math
 import secrets
@@ -37,7 +36,7 @@ from pearl.controlplane.core.catalog import default_catalog
 from pearl.controlplane.core.domain import Role
 from pearl.controlplane.core.perfmodel import AGENTIC_LOAD, PerfModel
 from pearl.controlplane.weights.broadcast import DEFAULT_GROUP, LOAD_FORMAT
-from pearl.controlplane.weights.files import TORCH_DTYPES, SnapshotError, load_snapshot, manifest_digest
+from pearl.controlplane.weights.files import SnapshotError, load_snapshot, manifest_digest
 
 from .drivers.base import FENCE_HEADER
 from .simengine import VOCAB, RealtimeEngine
@@ -97,6 +96,7 @@ class SimState:
     tensors: dict[str, dict[str, Any]] = field(default_factory=dict)  # the weights: name -> dtype, shape, sha256
     weight_loads: int = 0  # snapshots (or broadcasts) taken since the start
     groups: dict[str, Any] = field(default_factory=dict)  # weight-update groups joined (name -> process group)
+    hashing: list[Any] = field(default_factory=list)  # the received buckets' digests, being computed
     decode_graphs: bool = False  # decode CUDA graphs captured (launched as decode, or flipped to decode once)
 
     def flushable(self, after_update: bool = False) -> bool:
@@ -509,7 +509,7 @@ def build_app(state: SimState) -> web.Application:
         if body.get("load_format") != LOAD_FORMAT:
             return web.json_response({"success": False, "message": f"load_format {body.get('load_format')!r}: "
                                       f"this server receives only {LOAD_FORMAT!r} buckets"}, status=400)
-        from pearl.controlplane.weights.broadcast import receive_bucket
+        from pearl.controlplane.weights.broadcast import receive_bucket, tensor_digests
 
         async with state.weights_lock:
             if body.get("abort_all_requests"):
@@ -520,13 +520,14 @@ def build_app(state: SimState) -> web.Application:
             except (SnapshotError, TypeError, ValueError) as exc:
                 return web.json_response({"success": False, "message": f"Failed to update parameter online: {exc}. "
                                           f"Kept version {state.weight_version}."}, status=400)
-            digests = await asyncio.to_thread(lambda: {
-                n: {"dtype": TORCH_DTYPES[dtype], "shape": shape, "sha256": hashlib.sha256(d).hexdigest()}
-                for n, dtype, shape, d in tensors})
-            state.tensors.update(digests)
-            state.weights_checksum = manifest_digest(state.tensors)
+            # hashed beside the next bucket's transfer; folded in, in order, before a version is taken
+            state.hashing.append(asyncio.get_running_loop().run_in_executor(None, tensor_digests, tensors))
             message = f"Succeeded to update parameter online ({len(tensors)} tensors)."
             if body.get("weight_version") is not None:
+                for pending in state.hashing:
+                    state.tensors.update(await pending)
+                state.hashing.clear()
+                state.weights_checksum = manifest_digest(state.tensors)
                 state.weight_version = str(body["weight_version"])
                 state.weight_loads += 1
                 message += f" Weight version updated to {state.weight_version}."

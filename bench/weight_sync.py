@@ -40,7 +40,14 @@ from db_support import REPO, BenchServer, machine
 
 sys.path.insert(0, str(REPO / "tests"))
 from pearl.controlplane.weights import write_snapshot  # noqa: E402
-from pearl.controlplane.weights.broadcast import join_group, layout, receive_bucket, send_bucket  # noqa: E402
+from pearl.controlplane.weights.broadcast import (  # noqa: E402
+    join_group,
+    layout,
+    packed,
+    receive_bucket,
+    send_packed,
+    tensor_digests,
+)
 from pearl.controlplane.weights.files import load_snapshot  # noqa: E402
 
 MB = 1024 * 1024
@@ -87,7 +94,7 @@ def snapshot_load(state: dict[str, Any], nbytes: int, directory: Path, repeat: i
 
 def _receiver(port: int, nbytes: int, repeat: int, names: list[tuple[str, int]],
               spec: list[tuple[list[str], list[str], list[list[int]]]], done: Any) -> None:
-    import hashlib
+    import concurrent.futures
 
     import torch
     import torch.distributed as dist
@@ -96,9 +103,11 @@ def _receiver(port: int, nbytes: int, repeat: int, names: list[tuple[str, int]],
     opts = dist.BroadcastOptions()
     opts.rootRank = 0
     for _ in range(repeat):
-        for bucket in spec:  # pearl: bucket by bucket, every tensor's sha256 (as the simulated server)
-            for _, _, _, data in receive_bucket(pg, *bucket):
-                hashlib.sha256(data).hexdigest()
+        with concurrent.futures.ThreadPoolExecutor(2) as hashing:  # pearl: as the simulated server, every
+            digests = [hashing.submit(tensor_digests, receive_bucket(pg, *bucket))  # tensor's sha256 beside
+                       for bucket in spec]  # the next bucket's transfer
+            for digest in digests:
+                digest.result()
         pg.barrier().wait()
         for _, n in names:  # raw: one broadcast per tensor
             buf = torch.empty(n, dtype=torch.bfloat16)
@@ -128,8 +137,8 @@ def broadcast(state: dict[str, Any], nbytes: int, repeat: int, bucket_mb: int) -
         pearl, raw = [], []
         for _ in range(repeat):
             t = time.perf_counter()
-            for bucket in layout(state, bucket_mb * MB, checksums):  # the trainer knows the manifest's sha256
-                send_bucket(pg, bucket)
+            for buf in packed(layout(state, bucket_mb * MB, checksums)):  # the trainer knows the manifest's sha256
+                send_packed(pg, buf)
             pg.barrier().wait()  # the receiver hashed every tensor
             pearl.append(time.perf_counter() - t)
             t = time.perf_counter()

@@ -33,6 +33,7 @@ import datetime
 import hashlib
 import math
 import socket
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -149,11 +150,29 @@ def _pack(bucket: Bucket) -> Any:
     return buf
 
 
-def send_bucket(pg: Any, bucket: Bucket) -> int:
-    """Rank 0: broadcast one bucket as a flat byte tensor; the bytes sent."""
-    buf = _pack(bucket)
+def packed(buckets: list[Bucket]) -> Iterator[Any]:
+    """Each bucket as the flat byte tensor it is sent as, the next one packed (in a thread) while the
+    caller sends this one."""
+    with concurrent.futures.ThreadPoolExecutor(1) as packer:
+        ahead = packer.submit(_pack, buckets[0]) if buckets else None
+        for k in range(len(buckets)):
+            assert ahead is not None
+            buf = ahead.result()
+            ahead = packer.submit(_pack, buckets[k + 1]) if k + 1 < len(buckets) else None
+            yield buf
+
+
+def send_packed(pg: Any, buf: Any) -> int:
+    """Rank 0: broadcast one packed bucket; the bytes sent."""
     _broadcast(pg, buf).wait()
     return buf.numel()
+
+
+def tensor_digests(tensors: list[tuple[str, str, list[int], memoryview]]) -> dict[str, dict[str, Any]]:
+    """What a receiver that checks records of a received bucket: name -> dtype (safetensors'), shape,
+    sha256 (hashlib releases the GIL: this runs beside the next bucket's transfer)."""
+    return {name: {"dtype": TORCH_DTYPES[dtype], "shape": shape, "sha256": hashlib.sha256(data).hexdigest()}
+            for name, dtype, shape, data in tensors}
 
 
 def receive_bucket(pg: Any, names: list[str], dtypes: list[str],
@@ -282,12 +301,12 @@ class SyncGroup:
         if self.pg is None:
             raise SnapshotError(f"sync group {self.name}: not set up")
         buckets = layout(state_dict, self.bucket_bytes, checksums)
-        for k, bucket in enumerate(buckets):
+        for k, (bucket, buf) in enumerate(zip(buckets, packed(buckets), strict=True)):
             last = k == len(buckets) - 1
             self._post_all("/update_weights_from_distributed",
                            lambda w, b=bucket, last=last: self.bucket_body(b, version, last))
             try:
-                send_bucket(self.pg, bucket)
+                send_packed(self.pg, buf)
             finally:
                 results = self._results()
             errors = {w: e for w, e in results.items() if e}
