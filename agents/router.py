@@ -173,6 +173,7 @@ class FrontDoor:
         self.session: aiohttp.ClientSession | None = None
         self.held = 0
         self.inflight = 0
+        self.admin_port: int | None = None  # the admin API's, once bound (`--admin-port 0`: the system's pick)
         self.served = self.resubmits = self.failed = 0
         self.admin_lock = asyncio.Lock()
 
@@ -421,7 +422,8 @@ class FrontDoor:
                 "workers": [{"url": e["url"], "worker_type": e["worker_type"], "healthy": e.get("is_healthy"),
                              "bootstrap_port": e.get("bootstrap_port"), "load": e.get("load")} for e in listed],
             }
-        return {"url": f"http://{self.cfg.host}:{self.cfg.port}", "mode": self.mode, "pid": os.getpid(),
+        return {"url": f"http://{self.cfg.host}:{self.cfg.port}", "admin_port": self.admin_port, "mode": self.mode,
+                "pid": os.getpid(),
                 "held": self.held, "inflight": self.inflight, "served": self.served,
                 "resubmits": self.resubmits, "failed": self.failed, "children": children}
 
@@ -691,9 +693,9 @@ async def serve(cfg: FrontDoorConfig) -> None:
         await public_site.start()
         admin_site = web.TCPSite(admin, cfg.admin_host, cfg.admin_port, reuse_address=True)
         await admin_site.start()
-        admin_port = admin_site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        door.admin_port = admin_site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         print(f"front door on http://{cfg.host}:{cfg.port} (mode {door.mode}), admin API on "
-              f"http://{cfg.admin_host}:{admin_port}{'' if cfg.token else ' (no token)'}; routers: "
+              f"http://{cfg.admin_host}:{door.admin_port}{'' if cfg.token else ' (no token)'}; routers: "
               + ", ".join(f"{m} {c.url} pid {c.proc.pid}" for m, c in door.children.items()),
               file=sys.stderr, flush=True)
         supervisor = asyncio.create_task(door.supervise(hurry))

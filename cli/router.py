@@ -47,7 +47,6 @@ def serve(
     """Run the front door and its routers until SIGTERM. The admin API (the agents' registrations and
     mode changes) has a port of its own and, with a database (or PEARL_TOKEN_FILE), needs the
     control token."""
-    from pearl.agents.drivers.process import free_port
     from pearl.agents.router import MODES, FrontDoorConfig
     from pearl.agents.router import serve as run
     from pearl.controlplane.services.token import token_from_file
@@ -58,9 +57,9 @@ def serve(
         raise BadInput(f"--port: a TCP port (1-65535), not {port}")
     if not 0 <= admin_port < 65536 or admin_port == port:
         raise BadInput(f"--admin-port: a TCP port (0-65535) other than --port, not {admin_port}")
-    admin_port = admin_port or free_port()
     url = _advertised("--advertise-url", advertise_url, host, port)
-    admin_url = _advertised("--advertise-admin-url", advertise_admin_url, admin_host, admin_port)
+    # with --admin-port 0 the port is known once bound: the registration reads it from the state
+    admin_url = _advertised("--advertise-admin-url", advertise_admin_url, admin_host, admin_port or None)
     if hold_s < 0 or max_held < 0 or drain_s < 0:
         raise BadInput("--hold-s, --max-held, --drain-s: not negative")
     engine = None
@@ -98,7 +97,7 @@ def serve(
 WILDCARDS = ("0.0.0.0", "::", "")
 
 
-def _advertised(option: str, given: str | None, host: str, port: int) -> str:
+def _advertised(option: str, given: str | None, host: str, port: int | None) -> str | None:
     """The URL recorded for other processes: the one given, else the bound address (never a wildcard,
     which names no host another node can reach)."""
     from urllib.parse import urlsplit
@@ -107,6 +106,8 @@ def _advertised(option: str, given: str | None, host: str, port: int) -> str:
         if host in WILDCARDS:
             raise BadInput(f"{option}: required when binding {host or 'every address'!r} (the URL other nodes "
                            "reach it at)")
+        if port is None:  # bound to a port of the system's choosing: known once it listens
+            return None
         return f"http://{'[' + host + ']' if ':' in host else host}:{port}"
     parts = urlsplit(given)
     if parts.scheme not in ("http", "https") or not parts.hostname or parts.hostname in WILDCARDS \
@@ -115,7 +116,7 @@ def _advertised(option: str, given: str | None, host: str, port: int) -> str:
     return given.rstrip("/")
 
 
-def _register_then_beat(engine: object, cfg: object, url: str, admin_url: str) -> None:
+def _register_then_beat(engine: object, cfg: object, url: str, admin_url: str | None) -> None:
     if _register_when_listening(engine, cfg, url=url, admin_url=admin_url):
         _heartbeat(engine)
 
@@ -134,7 +135,6 @@ def _register_when_listening(engine: object, cfg: object, timeout_s: float = 120
     host = cfg.host if cfg.host not in WILDCARDS else "127.0.0.1"  # type: ignore[attr-defined]
     local = f"http://{host}:{cfg.port}"  # type: ignore[attr-defined]
     url = url or local
-    admin_url = admin_url or url
     deadline = time.monotonic() + timeout_s
     wait_s = 0.1
     while time.monotonic() < deadline:
@@ -146,12 +146,16 @@ def _register_when_listening(engine: object, cfg: object, timeout_s: float = 120
         if resp.status_code != 200:
             time.sleep(0.1)
             continue
-        try:  # the mode it serves: a restart restores it from its run dir
-            mode = resp.json().get("mode") or cfg.mode  # type: ignore[attr-defined]
+        try:  # the mode it serves (a restart restores it from its run dir) and its admin port
+            state = resp.json()
         except ValueError:
-            mode = cfg.mode  # type: ignore[attr-defined]
+            state = {}
+        mode = state.get("mode") or cfg.mode  # type: ignore[attr-defined]
+        if admin_url is None and state.get("admin_port"):
+            admin_url = _advertised("--advertise-admin-url", None, cfg.admin_host,  # type: ignore[attr-defined]
+                                    int(state["admin_port"]))
         try:
-            register_router(engine, url=url, admin_url=admin_url, host=cfg.host,  # type: ignore[arg-type,attr-defined]
+            register_router(engine, url=url, admin_url=admin_url or url, host=cfg.host,  # type: ignore[arg-type,attr-defined]
                             pid=os.getpid(), mode=mode)
         except PearlError as exc:  # the database away or busy: no deadline, the agents need the row
             print(f"front door: registering: {exc}; trying again in {wait_s:.1f} s", file=sys.stderr, flush=True)
