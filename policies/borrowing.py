@@ -16,7 +16,7 @@ The return is never optional: while an optimizer step runs or the trainer waits 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pearl.controlplane.core.fleet import FleetSnapshot, WorkerSlot
 from pearl.controlplane.errors import BadInput
@@ -53,6 +53,13 @@ def toggle_cost_prior(toggle_on_s: float, toggle_off_s: float, weight_sync_s: fl
     return ToggleCost(toggle_on_s + weight_sync_s + toggle_off_s)
 
 
+def cold_toggle(toggle: ToggleCost, cold_start_s: float, cold: int) -> ToggleCost:
+    """T_toggle of a loan that must launch `cold` servers (overlap slots with no sleeping server,
+    `WorkerSlot.warm`): the launch comes on top of the cycle, and a launch under way cannot be cut
+    short when the trainer wants its GPUs."""
+    return replace(toggle, seconds=toggle.seconds + cold_start_s) if cold else toggle
+
+
 @dataclass(frozen=True)
 class GateDecision:
     borrow: bool
@@ -73,6 +80,17 @@ def gate(remaining_fraction: float, t_dedicated_s: float, t_full_s: float, toggl
     verdict = "borrow" if borrow else "do not borrow"
     reason = f"{verdict}: (R/B) x (T_ded - T_full) = {gain:.1f} s vs T_toggle {toggle.seconds:.1f} s"
     return GateDecision(borrow, gain, toggle.seconds, reason)
+
+
+def warm_ups(snapshot: FleetSnapshot, borrowable_now: tuple[int, ...], members: frozenset[int]) -> frozenset[int]:
+    """The overlap slots to launch and put to sleep now (`Target.warm_up`): the borrowable ones that
+    never ran a server and are not borrowed, while no worker serves. The fleet is then starting, and
+    the trainer cannot want its GPUs before a batch has been rolled out on workers still to be
+    started, so a launch (a cold start) finishes in time; later loans wake the server in seconds."""
+    if any(w.active for w in snapshot.workers):
+        return frozenset()
+    slots = snapshot.by_id()
+    return frozenset(i for i in borrowable_now if not slots[i].warm and i not in members)
 
 
 def borrowable(snapshot: FleetSnapshot, signals: Signals) -> tuple[WorkerSlot, ...]:

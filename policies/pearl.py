@@ -24,7 +24,10 @@ Each call:
    the trainer starts on time (invariant 2); the tail starts earlier by the trajectories expected to
    finish while a return takes (`tail_remaining`: at the step's pace, or as fast as the latest
    steps' ends measured, whichever is more); the target asks to be consulted at that point
-   (`Target.recheck_remaining`);
+   (`Target.recheck_remaining`). A loan of overlap slots that never ran a server must launch them:
+   T_toggle then includes the cold start (`borrowing.cold_toggle`), and while no worker serves yet
+   (the fleet starts) such slots are warmed up instead, launched and put to sleep at once
+   (`Target.warm_up`, `borrowing.warm_ups`), so that later loans wake them in seconds;
 4. lets the selector pick the configuration for that budget against the current one, with its
    hysteresis (`selector.select`); forced switches (the current shape became infeasible, or
    nothing runs) are never blocked there;
@@ -67,7 +70,7 @@ from pearl.controlplane.errors import BadInput
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from .base import Signals, colocated, split
-from .borrowing import GateDecision, ToggleCost, borrowable, gate, toggle_cost_prior
+from .borrowing import GateDecision, ToggleCost, borrowable, cold_toggle, gate, toggle_cost_prior, warm_ups
 from .elasticity import dedicated_capacity
 
 MIXED = "mixed"  # the step ran at more than one configuration: its makespan says nothing about T_over
@@ -267,6 +270,11 @@ class PearlPolicy:
             target = colocated(members, "; ".join([option.reason, *notes]))
         else:
             target = split(members, option.config.n_prefill, "; ".join([option.reason, *notes]))
+        if self.borrow is not Borrow.NEVER:
+            warm = warm_ups(snapshot, a.overlap, target.members)
+            if warm:
+                target = replace(target, warm_up=warm, reason=target.reason + (
+                    f"; warming up {sorted(warm)}: their servers launch now and sleep until a loan wakes them"))
         if a.borrow and a.dedicated:
             # wake the policy at the tail of the step to give the borrowed GPUs back in time
             step_s = a.with_overlap.step_s if a.with_overlap is not None else math.inf
@@ -332,7 +340,9 @@ class PearlPolicy:
                               f"borrowing {len(overlap)} overlap workers (ungated)")
         t_ded = on_dedicated.step_s if on_dedicated is not None else math.inf
         t_full = with_overlap.step_s if with_overlap is not None and math.isfinite(with_overlap.step_s) else t_ded
-        g = gate(rf, t_ded, t_full, memory.toggle)
+        # a loan that must launch servers (slots never warmed up) pays their cold start
+        cold = sum(1 for w in snapshot.workers if w.id in ids and not w.warm and w.activity is Activity.INACTIVE)
+        g = gate(rf, t_ded, t_full, cold_toggle(memory.toggle, memory.costs.cold_start_s, cold))
         if g.borrow:
             return Assessment(dedicated, overlap, on_dedicated, with_overlap, g, True, "gate: " + g.reason)
         if holding and g.gain_s > 0:

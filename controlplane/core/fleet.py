@@ -28,6 +28,10 @@ class WorkerSlot:
     # Whether the slot's GPUs can host an active rollout worker right now: dedicated GPUs granted and
     # not under a preemption notice; overlap GPUs idle between optimizer steps.
     available: bool = True
+    # Overlap slots: whether a server was launched on the slot before (an earlier loan or a warm-up,
+    # under the node's present agent) and sleeps between loans, so that a loan wakes it in seconds;
+    # False: a loan launches one, a cold start.
+    warm: bool = True
 
     @property
     def active(self) -> bool:
@@ -78,6 +82,9 @@ class Target:
     # Consult the policy again once no more than this many trajectories of the step under way are
     # unfinished (e.g. to give borrowed GPUs back before the step ends); None: no such wake-up.
     recheck_remaining: int | None = None
+    # Overlap slots, not members, to launch and put to sleep at once (start, then release), so that
+    # later loans wake a sleeping server instead of paying a cold start (`WorkerSlot.warm`).
+    warm_up: frozenset[int] = frozenset()
 
     @property
     def mode(self) -> Mode | None:

@@ -28,6 +28,10 @@ load_weights, so a group is admitted all-or-nothing (docs/state-machine.md, inva
 O(members) dependencies. When the mode
 changes, a final `router_sync` waits for every admit (the router's front door changes). Removals
 never wait for anything else: shrinking is urgent.
+
+Warm-up (`Target.warm_up`): an overlap slot that never ran a server is launched and put to sleep at
+once (start -> release, no admission), so that its loans wake a sleeping server in seconds; one whose
+warm-up is under way (transitioning, not a member) is left to finish it rather than removed.
 """
 
 from __future__ import annotations
@@ -62,12 +66,13 @@ def orchestrate(snapshot: FleetSnapshot, target: Target) -> Plan:
     current = {w.id for w in snapshot.active()}
     members = set(target.members)
     add = members - current
-    remove = current - members
+    remove = current - members - target.warm_up  # a warm-up under way ends in its own release
     # added workers in order of how long they can stay: dedicated slots before borrowed (overlap) ones
     added = sorted(add, key=lambda i: (slots[i].zone is WorkerZone.OVERLAP, i))
     roles = _resolve(target, [slots[i] for i in sorted(members & current)], added)
     reassign = {i: roles[i] for i in sorted(members & current) if roles[i] is not slots[i].role}
     steps = _expand(snapshot, target, slots, add, remove, reassign, roles)
+    steps += _warm_up(slots, sorted(target.warm_up - current))
     return Plan(
         base_version=snapshot.state_version,
         add=frozenset(add),
@@ -129,6 +134,18 @@ def _validate(target: Target, slots: Mapping[int, WorkerSlot]) -> None:
             raise BadInput(f"target.pinned: {n} workers pinned to {role} but counts.{role} is {counts.get(role, 0)}")
 
 
+    for wid in sorted(target.warm_up):
+        slot = slots.get(wid)
+        if slot is None:
+            raise BadInput(f"target.warm_up: worker {wid} does not exist")
+        if slot.zone is not WorkerZone.OVERLAP:
+            raise BadInput(f"target.warm_up: worker {wid} is not an overlap slot (only loans are warmed up)")
+        if wid in target.members:
+            raise BadInput(f"target.warm_up: worker {wid} is a member (a member is started and admitted)")
+        if not slot.available:
+            raise BadInput(f"target.warm_up: worker {wid} is not available (its GPUs cannot host it now)")
+
+
 def _count(roles: Iterable[Role]) -> dict[Role, int]:
     out: dict[Role, int] = {}
     for r in roles:
@@ -166,6 +183,18 @@ def _resolve(target: Target, survivors: list[WorkerSlot], added: list[int]) -> d
 
 
 # -- expansion into steps -----------------------------------------------------------------------
+
+
+def _warm_up(slots: Mapping[int, WorkerSlot], workers: list[int]) -> tuple[PlanStep, ...]:
+    """Launch each overlap slot's server and put it to sleep at once: start -> release, no admission.
+    The server comes up colocated, the shape most loans take (a loan in a split wakes it and flips it)."""
+    steps: list[PlanStep] = []
+    for wid in workers:
+        node, zone = slots[wid].node, str(slots[wid].zone)
+        started = PlanStep(f"w{wid}.start", StepAction.START, wid, node,
+                           {"role": str(Role.COLOCATED), "zone": zone, "warm_up": True})
+        steps += [started, PlanStep(f"w{wid}.release", StepAction.RELEASE, wid, node, {"zone": zone}, (started.key,))]
+    return tuple(steps)
 
 
 def _restart(old: Role, new: Role) -> bool:

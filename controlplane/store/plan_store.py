@@ -139,6 +139,7 @@ def target_to_dict(target: fleet.Target) -> dict[str, Any]:
         "pinned": {str(w): str(r) for w, r in sorted(target.pinned.items())},
         "reason": target.reason,
         "recheck_remaining": target.recheck_remaining,
+        "warm_up": sorted(target.warm_up),
     }
 
 

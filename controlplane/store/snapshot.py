@@ -13,7 +13,7 @@ from datetime import datetime, timedelta
 
 from pearl.controlplane.core.domain import Activity, GPUState, LeaseKind, StepAction, StepStatus, WorkerZone
 from pearl.controlplane.core.fleet import FleetSnapshot, WorkerSlot
-from pearl.controlplane.store.schema import GPU, Fleet, Lease, Node, Plan, PlanStep, Worker
+from pearl.controlplane.store.schema import GPU, Agent, Fleet, Lease, Node, Plan, PlanStep, Worker
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
@@ -48,6 +48,22 @@ def revocation_notices(session: Session) -> dict[int, tuple[int, datetime]]:
         .where(Lease.returned_at.is_(None), Lease.kind == LeaseKind.PREEMPTIBLE, Lease.deadline.is_not(None))
     )
     return {gpu: (slot, deadline) for gpu, slot, deadline in rows}
+
+
+def launched_overlap_slots(session: Session) -> set[int]:
+    """Overlap slots whose server was launched since their node's agent started (a succeeded start):
+    it sleeps between loans, so a loan wakes it (`WorkerSlot.warm`). A new agent launches its own, so
+    slots launched under an earlier one count as cold; a server that died since is found at its next
+    loan, which launches another."""
+    agent_start = (select(func.max(Agent.started_at)).where(Agent.node_id == PlanStep.node_id)
+                   .correlate(PlanStep).scalar_subquery())
+    rows = session.scalars(
+        select(PlanStep.worker_id).distinct()
+        .join(Worker, Worker.id == PlanStep.worker_id)
+        .where(Worker.zone == WorkerZone.OVERLAP, PlanStep.action == StepAction.START,
+               PlanStep.status == StepStatus.SUCCEEDED,
+               PlanStep.finished_at >= func.coalesce(agent_start, PlanStep.finished_at)))
+    return set(rows)
 
 
 def start_backoffs(session: Session) -> dict[int, datetime]:
@@ -86,6 +102,7 @@ def load_snapshot(session: Session) -> FleetSnapshot:
         gpus_by_slot[gpu.slot_id].append(gpu)
     under_notice = set(revocation_notices(session))
     backing_off = start_backoffs(session)
+    launched = launched_overlap_slots(session)
     rows = session.execute(select(Worker, Node.name).join(Node, Node.id == Worker.node_id).order_by(Worker.id))
     slots = []
     for worker, node_name in rows:
@@ -101,6 +118,7 @@ def load_snapshot(session: Session) -> FleetSnapshot:
                 weights_version=worker.weights_version,
                 available=_available(worker.zone, worker.id, gpus, under_notice) and not (
                     worker.activity is Activity.INACTIVE and worker.id in backing_off),
+                warm=worker.zone is not WorkerZone.OVERLAP or worker.id in launched,
             )
         )
     return FleetSnapshot(state_version=fleet.state_version, workers=tuple(slots), tp=fleet.tp or 1)

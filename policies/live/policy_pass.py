@@ -20,7 +20,8 @@ ingested: no step is folded twice.
 Signals (policies/base.py) as the rows know them: `now` and deadlines in seconds since the
 inventory was imported (the database's clock); `training` while the latest optimizer step has
 started and not ended, `training_wanted` while it is requested and not started (the trainer waits for
-borrowed GPUs); deadlines of preemptible GPUs under a revocation notice, per worker slot; the
+borrowed GPUs) or about to be (`training_imminent`: the batch it trains on is complete); deadlines
+of preemptible GPUs under a revocation notice, per worker slot; the
 latest telemetry; the rollout step under way and its unfinished trajectories R from
 `rollout_progress` (before any report: the whole next step, B of the inventory's workload, else
 the profile's); the borrow cycles measured (`borrow_cycles`: activation plus return, for the
@@ -238,6 +239,7 @@ def live_signals(session: Session, snapshot: FleetSnapshot, batch_size: int, eve
     running = latest is not None and latest.started_at is not None and latest.ended_at is None
     wanted = latest is not None and latest.requested_at is not None and latest.started_at is None \
         and latest.ended_at is None
+    wanted = wanted or training_imminent(session, latest)
     ended = session.scalars(
         select(TrainingStep).where(TrainingStep.ended_at.is_not(None), TrainingStep.started_at.is_not(None))
         .order_by(TrainingStep.step.desc()).limit(1)
@@ -278,6 +280,18 @@ def live_signals(session: Session, snapshot: FleetSnapshot, batch_size: int, eve
         step_tails=tuple(tuple(x * time_scale for x in tail) for tail in step_tails(session, TAIL_HISTORY)),
         in_flight=in_flight,
     )
+
+
+def training_imminent(session: Session, latest: TrainingStep | None) -> bool:
+    """The trainer is about to ask for its GPUs: no optimizer step runs or waits, and the batch the
+    next one trains on (training step k trains on rollout step k) is complete. The trainer sends
+    `training-begin` as soon as it has published the last step's weights, a fraction of a second
+    later: a loan in that gap could not pay for itself and would come back late (the simulator's
+    trainer begins the step at that instant, so its policy never sees the gap)."""
+    if latest is not None and latest.ended_at is None:
+        return False  # a step is requested or running: `training` / `training_wanted` say so
+    nxt = latest.step + 1 if latest is not None else 0
+    return session.scalar(select(RolloutProgress.ended_at).where(RolloutProgress.step == nxt)) is not None
 
 
 def borrow_cycle_costs(session: Session) -> list[float]:

@@ -160,6 +160,13 @@ def _rebuild(engine: Engine, sc: Any, snapshot: FleetSnapshot, s: Signals, befor
             session.add(PlanStep(plan_id=plan.id, key=f"k{i}", worker_id=1, node_id=1, action=StepAction(action),
                                  args={"zone": zone} if zone else {}, status=StepStatus.SUCCEEDED,
                                  started_at=at(i), finished_at=at(i + seconds)))
+        # the overlap slots whose server sleeps between loans (in the simulator, every one): launched before
+        for w in snapshot.workers:
+            if w.zone is WorkerZone.OVERLAP and w.warm:
+                node = session.scalar(select(Worker.node_id).where(Worker.id == w.id + 1))
+                session.add(PlanStep(plan_id=plan.id, key=f"w{w.id + 1}.launched", worker_id=w.id + 1, node_id=node,
+                                     action=StepAction.START, args={"zone": "overlap"}, status=StepStatus.SUCCEEDED,
+                                     started_at=at(0), finished_at=at(0)))
         training_gpu = session.scalar(select(GPU.id).where(GPU.zone == NodeZone.TRAINING).limit(1))
         first = s.toggle_cycles - len(s.toggle_costs)
         for i in range(s.toggle_cycles):  # the cycles the signals no longer carry weigh nothing: 0 s each

@@ -145,6 +145,53 @@ def test_the_tails_of_complete_steps_are_when_each_trajectory_finished_before_th
     assert planned.signals.step_tails == (tail,)  # on the model clock: this inventory runs at time_scale 1
 
 
+def test_the_trainer_is_about_to_want_its_gpus_once_the_batch_it_trains_on_is_complete(cp: ControlPlane,
+                                                                                       tmp_path) -> None:
+    from pearl.policies.live.policy_pass import decide
+
+    def wanted() -> bool:
+        with transaction(cp.engine) as session:
+            planned = decide(session)
+        if planned.signals.training_wanted:  # no loan while the trainer is about to ask
+            assert not {w.id for w in planned.snapshot.workers if w.zone == "overlap"} & planned.target.members
+        return planned.signals.training_wanted
+
+    cp.rollout_progress(0, 3, batch_size=4)
+    assert not wanted()  # batch 0 under way: the GPUs are idle until it completes
+    cp.rollout_progress(0, 4)
+    assert wanted()  # complete: training step 0 begins as soon as the trainer gets to it
+    cp.training_begin(0, wait_s=0)
+    cp.rollout_progress(1, 4, batch_size=4)  # batch 1 completes while step 0 trains
+    cp.training_end(0, weights_version=1, snapshot=small_snapshot(tmp_path / "w1"))
+    assert wanted()  # step 0 ended and step 1's batch is ready: the trainer asks at once
+    cp.training_begin(1, wait_s=0)
+    cp.training_end(1, weights_version=2, snapshot=small_snapshot(tmp_path / "w2", 2))
+    cp.rollout_progress(2, 1, batch_size=4)
+    assert not wanted()  # batch 2 under way: a window to lend the GPUs in
+
+
+def test_a_warm_up_leaves_a_sleeping_server_and_the_training_gpus_free(cp: ControlPlane) -> None:
+    from pearl.controlplane.store.snapshot import load_snapshot
+    from pearl.policies.live.policy_pass import borrow_cycle_costs
+
+    with transaction(cp.engine) as session:
+        assert not load_snapshot(session).by_id()[1].warm  # overlap slot 1 never ran a server
+    plan_id = propose(cp.engine, Target(frozenset({3}), {Role.COLOCATED: 1}, warm_up=frozenset({1})))
+    plan_store.apply(cp.engine, plan_id)
+    run_plan(cp.engine, datetime.now(UTC))
+    with transaction(cp.engine) as session:
+        slots = load_snapshot(session).by_id()
+        assert slots[1].warm and slots[1].activity is Activity.INACTIVE and not slots[2].warm
+        assert slots[3].activity is Activity.ACTIVE
+        leases = session.scalars(select(Lease).where(Lease.kind == "borrowed")).all()
+        assert len(leases) == 2 and all(lease.returned_at is not None for lease in leases)
+        assert all(lease.deadline is None and lease.active_at is None for lease in leases)
+        assert borrow_cycle_costs(session) == []  # a launch, not a toggle: T_toggle learns nothing from it
+    assert gpu_states(cp.engine, "training") == {GPUState.FREE}
+    started = cp.training_begin(0, wait_s=0)
+    assert started.started and started.late_s == 0.0
+
+
 def test_training_waits_for_borrowed_gpus_and_the_lateness_is_recorded(cp: ControlPlane, clock) -> None:
     serve(cp.engine, {1, 3})  # overlap worker 1 borrows train-0's GPUs 0, 1
     assert gpu_states(cp.engine, "training") == {GPUState.BORROWED, GPUState.FREE}

@@ -191,6 +191,41 @@ def test_steps_are_ordered_after_their_dependencies_and_deterministic():
     assert len(seen) == len(a.steps)
 
 
+def test_a_warm_up_launches_the_server_and_puts_it_to_sleep_without_admitting_it():
+    snap = fleet(slot(0, active=False), slot(4, Role.TRAINING, active=False, zone=WorkerZone.OVERLAP, warm=False))
+    t = Target(frozenset({0}), {C: 1}, warm_up=frozenset({4}))
+    plan = orchestrate(snap, t)
+    assert chain(plan, 4) == [StepAction.START, StepAction.RELEASE]
+    steps = by_key(plan)
+    assert steps["w4.start"].args == {"role": "colocated", "zone": "overlap", "warm_up": True}
+    assert steps["w4.release"].after == ("w4.start",) and steps["w4.start"].group is None
+    assert plan.add == {0} and plan.d_worker == 1  # a warm-up is not a member: no reconfiguration
+    assert chain(plan, 0) == [StepAction.START, StepAction.LOAD_WEIGHTS, StepAction.ADMIT]
+
+
+def test_a_warm_up_under_way_is_left_to_finish():
+    warming = WorkerSlot(4, "n1", (0, 1), WorkerZone.OVERLAP, C, Activity.TRANSITIONING, warm=False)
+    snap = fleet(slot(0), warming)
+    assert orchestrate(snap, Target(frozenset({0}), {C: 1}, warm_up=frozenset({4}))).empty
+    # without the warm-up in the target it is a borrowed worker to give back
+    assert chain(orchestrate(snap, target({0}, colocated=1)), 4) == [
+        StepAction.DRAIN, StepAction.INTERRUPT, StepAction.RELEASE]
+
+
+@pytest.mark.parametrize(("warm", "message"), [
+    ({9}, "warm_up: worker 9 does not exist"),
+    ({1}, "warm_up: worker 1 is not an overlap slot"),
+    ({4}, "warm_up: worker 4 is a member"),
+    ({5}, "warm_up: worker 5 is not available"),
+])
+def test_bad_warm_ups_are_refused_naming_the_field(warm: set[int], message: str):
+    snap = fleet(slot(0), slot(1), slot(4, Role.TRAINING, active=False, zone=WorkerZone.OVERLAP),
+                 slot(5, Role.TRAINING, active=False, zone=WorkerZone.OVERLAP, available=False))
+    members = {0, 4} if warm == {4} else {0}
+    with pytest.raises(BadInput, match=message):
+        orchestrate(snap, Target(frozenset(members), {C: len(members)}, warm_up=frozenset(warm)))
+
+
 # -- validation -----------------------------------------------------------------------------------
 
 

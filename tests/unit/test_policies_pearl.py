@@ -78,6 +78,48 @@ def test_borrows_when_the_gate_says_so_and_not_otherwise():
     assert target.members == {0, 1}
 
 
+def _cold(snapshot: FleetSnapshot) -> FleetSnapshot:
+    return replace(snapshot, workers=tuple(w.evolve(warm=False) if w.zone is WorkerZone.OVERLAP else w
+                                           for w in snapshot.workers))
+
+
+def test_a_loan_that_must_launch_its_servers_pays_their_cold_start():
+    fleet = _fleet()
+    warm, _ = POLICY.decide(fleet, _signals(), POLICY.initial_memory())
+    assert _overlap_ids(fleet) <= warm.members
+    gain = float(warm.reason.split("(R/B) x (T_ded - T_full) = ")[1].split(" s")[0])
+    # a toggle cost the gain pays for while the servers sleep, but not with their launch on top
+    memory = replace(POLICY.initial_memory(), toggle=ToggleCost(gain - 1.0),
+                     costs=replace(POLICY.initial_memory().costs, cold_start_s=2.0))
+    assert _overlap_ids(fleet) <= POLICY.decide(fleet, _signals(), memory)[0].members
+    cold, _ = POLICY.decide(_cold(fleet), _signals(), memory)
+    assert not (_overlap_ids(fleet) & cold.members)
+    assert f"vs T_toggle {gain + 1.0:.1f} s" in cold.reason
+    assert not cold.warm_up  # workers serve: no warm-up while a batch may be under way
+
+
+def test_slots_that_never_ran_a_server_are_warmed_up_while_the_fleet_starts():
+    empty = _cold(_fleet(dedicated=0, extra=tuple(_slot(i) for i in range(2))))
+    # a loan that would pay even with the launch: borrowed (a member), not warmed up
+    target, _ = POLICY.decide(empty, _signals(remaining=64), POLICY.initial_memory())
+    assert _overlap_ids(empty) <= target.members and not target.warm_up
+    # one that does not pay: every slot is warmed up instead
+    costly = replace(POLICY.initial_memory(), toggle=ToggleCost(1e6))
+    target, _ = POLICY.decide(empty, _signals(remaining=64), costly)
+    overlap = _overlap_ids(empty)
+    assert target.warm_up == overlap and not (overlap & target.members)
+    assert "warming up" in target.reason
+    plan = orchestrate(empty, target)
+    assert {s.worker_id for s in plan.steps if s.args.get("warm_up")} == target.warm_up
+    # never while the trainer runs or wants its GPUs, never for the pd-only ablation, never twice
+    for signals in (_signals(training=True), _signals(training_wanted=True)):
+        assert not POLICY.decide(empty, signals, costly)[0].warm_up
+    pd_only = _policy(borrow="never")
+    assert not pd_only.decide(empty, _signals(), pd_only.initial_memory())[0].warm_up
+    warm = replace(empty, workers=tuple(w.evolve(warm=True) for w in empty.workers))
+    assert not POLICY.decide(warm, _signals(), costly)[0].warm_up
+
+
 def test_the_gate_scales_the_whole_step_gain_by_the_work_left():
     fleet, signals = _fleet(), _signals(remaining=32)
     profile = POLICY.prior
