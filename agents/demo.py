@@ -46,6 +46,7 @@ from pearl.controlplane.core.inventory import Inventory, InventoryNode, RolloutL
 from pearl.controlplane.errors import PearlError
 from pearl.controlplane.services import embedded
 from pearl.controlplane.services.settings import Settings, get_settings, redact_url
+from pearl.controlplane.store import invariants
 from pearl.controlplane.store.db import make_engine, recreate_database, transaction, upgrade
 from pearl.controlplane.store.fleet_status import activity_timeline, read_fleet_status, run_summary
 from pearl.controlplane.store.inventory_import import import_inventory
@@ -213,6 +214,7 @@ class Demo:
             killed = fleet.stop()
             simulated = self._simulated(sim) if died is None and self._stop_reason is None else None
             report = run_summary(engine)
+            violations = [v.to_dict() for v in invariants.check(engine).violations]
             activity = activity_timeline(engine)
         finally:
             if self.fleet is not None and killed is None:
@@ -229,6 +231,7 @@ class Demo:
             "plans_applied": report["plans_applied"], "weight_syncs": report["weight_syncs"],
             "borrowed_returns": report["borrowed_returns"], "late_returns": report["late_returns"],
             "late_revocations": report["late_revocations"], "training_delay_s": report["training_delay_s"],
+            "violations": violations,
             "scenario": sc.name, "speed": self.cfg.speed, "duration_s": duration, "steps": self.cfg.steps,
             **{f"simulated_{key}": simulated.get("pearl", {}).get(key) if simulated else None
                for key in ("tokens_per_s", "tokens_per_s_window", "tokens_per_s_ratio_of_sums")},

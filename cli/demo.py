@@ -134,6 +134,7 @@ def _summary_table(s: dict[str, Any]) -> Group:
     live.add_row("plans applied", str(s["plans_applied"]), str(sim.get("reconfigurations", "-")) + " changes")
     for key in ("weight_syncs", "borrowed_returns", "late_returns", "failed_requests"):
         live.add_row(key.replace("_", " "), str(s[key]), "")
+    live.add_row("invariant violations", str(len(s["violations"])), "")
     for key, label in (("tokens_per_s", "tokens/s (per step)"), ("tokens_per_s_ratio_of_sums", "  ratio of sums"),
                        ("tokens_per_s_window", "  over the run")):
         simulated = s.get(f"simulated_{key}")
@@ -151,6 +152,8 @@ def _summary_table(s: dict[str, Any]) -> Group:
         parts.append(Text(f"ended after {s['training_steps']} training steps (--steps)"))
     if s.get("stopped"):
         parts.append(Text(f"stopped early: {s['stopped']}", style="yellow"))
+    for v in s["violations"]:
+        parts.append(Text(f"invariant {v['invariant']} [{v['check']}] {v['detail']}", style="red"))
     return Group(*parts)
 
 

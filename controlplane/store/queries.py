@@ -1,4 +1,4 @@
-"""The named queries of `sql/queries.sql`, loaded by name (`query("claim_steps")`)."""
+"""The named queries of `sql/queries.sql` (and of `sql/checks.sql`), loaded by name (`query("claim_steps")`)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ _NAME = re.compile(r"^--\s*name:\s*(\w+)\s*$", re.MULTILINE)
 
 
 @cache
-def load_queries() -> dict[str, str]:
-    """Every named query of queries.sql: name -> SQL (its comment lines included)."""
-    source = files("pearl.controlplane.store").joinpath("sql/queries.sql").read_text()
+def load_queries(file: str = "queries.sql") -> dict[str, str]:
+    """Every named query of `sql/<file>`: name -> SQL (its comment lines included)."""
+    source = files("pearl.controlplane.store").joinpath(f"sql/{file}").read_text()
     marks = list(_NAME.finditer(source))
     queries = {}
     for mark, following in zip(marks, [*marks[1:], None], strict=True):
