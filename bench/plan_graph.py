@@ -15,7 +15,7 @@ The baseline measured in the same run is the smallest size: `scaling` gives each
 size over the smallest (a linear graph and constant-time reports keep the totals in proportion to
 the GPUs and one report's p50 flat).
 
-    .venv/bin/python bench/plan_graph.py [--quick] [--gpus 1024,4096] [--database-url URL]
+    .venv/bin/python bench/plan_graph.py [--quick] [--gpus 1024,4096] [--write-only] [--database-url URL]
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ def reconcile(engine: Engine, plan_id: int) -> dict[str, Any]:
     }
 
 
-def one_size(server: BenchServer, gpus: int) -> dict[str, Any]:
+def one_size(server: BenchServer, gpus: int, reconcile_it: bool = True) -> dict[str, Any]:
     url = server.pearl_database("bench_plan_graph")
     engine = make_engine(url)
     try:
@@ -131,6 +131,11 @@ def one_size(server: BenchServer, gpus: int) -> dict[str, Any]:
                 PlanStep, PlanStep.id == PlanStepDep.step_id).where(PlanStep.plan_id == plan_id))
             actions = dict(session.execute(select(PlanStep.action, func.count()).where(
                 PlanStep.plan_id == plan_id).group_by(PlanStep.action)).all())
+        written = {"gpus": gpus, "workers": workers, "steps": steps, "edges": edges,
+                   "orchestrate_s": round(t1 - t0, 3), "write_plan_s": round(t2 - t1, 3),
+                   "write_plan_with_commit_s": round(t3 - t1, 3)}
+        if not reconcile_it:
+            return written
         a0 = time.perf_counter()
         applied = plan_store.apply(engine, plan_id, actor="bench")
         a1 = time.perf_counter()
@@ -168,6 +173,8 @@ def main() -> None:
     parser.add_argument("--gpus", default=None, help="comma-separated (default 1024,4096)")
     parser.add_argument("--database-url", help="a maintenance database of the server to use (default: an "
                         "embedded server of the benchmark's own)")
+    parser.add_argument("--write-only", action="store_true",
+                        help="write each size's plan and stop there (no apply, no reconcile)")
     args = parser.parse_args()
     sizes = [int(g) for g in (args.gpus or ("32,64" if args.quick else "1024,4096")).split(",")]
     started = time.perf_counter()
@@ -175,9 +182,9 @@ def main() -> None:
         out: dict[str, Any] = {"bench": "plan_graph", "quick": args.quick, "tp": TP, "gpus_per_node": GPUS_PER_NODE,
                                "database": server.settings(), "machine": machine(), "sizes": []}
         for gpus in sizes:
-            out["sizes"].append(one_size(server, gpus))
+            out["sizes"].append(one_size(server, gpus, reconcile_it=not args.write_only))
     base = out["sizes"][0]
-    for row in out["sizes"][1:]:
+    for row in out["sizes"][1:] if not args.write_only else ():
         row["scaling"] = {
             "over_gpus": base["gpus"],
             "gpus": round(row["gpus"] / base["gpus"], 3),

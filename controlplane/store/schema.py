@@ -1,6 +1,6 @@
 """The control-plane database: SQLAlchemy 2 typed ORM of the unified GPU-worker-role state.
 
-The tables here and migrations `0001_initial` .. `0007_weight_sync` match exactly (`alembic check`).
+The tables here and migrations `0001_initial` .. `0010_step_insert_audit` match exactly (`alembic check`).
 What the ORM cannot express lives in the migration's SQL: the transition trigger (edges are rows of
 `gpu_transitions` and `worker_transitions`), the deferred check that a serving worker holds exactly
 its slot's GPUs, the `state_version` bump, the append-only `events` written by triggers, and the views.
