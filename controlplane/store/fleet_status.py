@@ -94,8 +94,10 @@ def fleet_status(session: Session) -> dict[str, Any]:
     transaction is REPEATABLE READ)."""
     fleet = session.execute(select(Fleet).where(Fleet.id == 1)).scalar_one()
     nodes = {n.id: n for n in session.scalars(select(Node).order_by(Node.id))}
-    gpus = session.scalars(select(GPU).order_by(GPU.node_id, GPU.device_index)).all()
-    by_slot: dict[int, list[GPU]] = defaultdict(list)
+    # plain rows, not ORM objects: at 4,096 GPUs building the objects was half the read
+    gpus = session.execute(select(GPU.id, GPU.slot_id, GPU.node_id, GPU.device_index, GPU.zone, GPU.state)
+                           .order_by(GPU.node_id, GPU.device_index)).all()
+    by_slot: dict[int, list[Any]] = defaultdict(list)
     for g in gpus:
         by_slot[g.slot_id].append(g)
     by_zone_state: dict[str, Counter[str]] = defaultdict(Counter)
@@ -122,7 +124,9 @@ def fleet_status(session: Session) -> dict[str, Any]:
             "generation": w.generation,
             "start_backoff_until": _iso(backoffs.get(w.id)),
         }
-        for w in session.scalars(select(Worker).order_by(Worker.id))
+        for w in session.execute(select(Worker.id, Worker.node_id, Worker.slot, Worker.role, Worker.activity,
+                                        Worker.zone, Worker.weights_version, Worker.endpoint, Worker.generation)
+                                 .order_by(Worker.id))
     ]
     gpu_by_id = {g.id: g for g in gpus}
     leases = [
