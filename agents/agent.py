@@ -43,6 +43,7 @@ from pearl.agents.server_watch import ServerWatch
 from pearl.agents.steps import HANDLERS, FrontDoorAPI, ServerAPI, StepCancelled, StepContext, Timeouts, served_version
 from pearl.controlplane.core.domain import PlanStatus, StepStatus
 from pearl.controlplane.errors import ClaimLost, DatabaseUnavailable, NodeTaken, PearlError
+from pearl.controlplane.services import metrics
 from pearl.controlplane.store import agent_registry, plan_store, reaper, step_effects
 from pearl.controlplane.store.db import transaction
 from pearl.controlplane.store.notifications import listen
@@ -205,6 +206,8 @@ class Agent:
             report = reaper.reap(self.engine, max_attempts=c.max_attempts, agent_timeout_s=c.agent_timeout_s,
                                  actor=f"reaper in agent {c.node}")
             if not report.empty:
+                metrics.RESCUES.inc(len(report.rescued))
+                metrics.REAPED_PLANS.inc(len(report.failed_plans))
                 log.info("reaped %s", report.to_dict(), extra={"action": "reap"})
 
     def _claim(self) -> None:
@@ -232,7 +235,9 @@ class Agent:
                 continue
             log.info("claimed %s (step %s, fence %s)", row["key"], row["id"], row["fence"],
                      extra={"action": "claim_step"})
-            self._pool.submit(self._enact, ctx)
+            metrics.STEP_CLAIMS.inc()
+            self._pool.submit(self._enact, ctx, time.monotonic())
+        self._count_in_hand()
 
     def _busy(self) -> set[int]:
         """The workers this agent is at work on (call with `_lock` held): held aside for the server watch,
@@ -240,8 +245,9 @@ class Agent:
         server call). Their steps are left for later, without holding back the other workers'."""
         return set(self._aside) | {c.step["worker_id"] for c in self._in_hand.values() if not c.finishing}
 
-    def _enact(self, ctx: StepContext) -> None:
+    def _enact(self, ctx: StepContext, claimed: float) -> None:
         key = ctx.step["key"]
+        outcome = "succeeded"
         try:
             try:
                 self._run_handler(ctx)
@@ -249,12 +255,14 @@ class Agent:
                 ctx.finishing = True
             log.info("%s succeeded", key, extra={"action": "step_success"})
         except StepCancelled as exc:
-            self._stopped(ctx, exc.reason)
+            outcome = self._stopped(ctx, exc.reason)
         except step_effects.PlanStopped:
-            self._stopped(ctx, "plan")
+            outcome = self._stopped(ctx, "plan")
         except ClaimLost as exc:
+            outcome = "claim_lost"
             log.warning("%s: %s", key, exc, extra={"action": "claim_lost"})
         except Exception as exc:  # the step failed: report it, with the driver's message
+            outcome = "failed"
             log.warning("%s failed: %s", key, exc, extra={"action": "step_failure"})
             self._report(ctx, StepStatus.FAILED, f"{type(exc).__name__}: {exc}" if not isinstance(exc, PearlError)
                          else str(exc))
@@ -262,7 +270,15 @@ class Agent:
             with self._lock:  # only this claim's context: the step may have been claimed again since
                 if self._in_hand.get(ctx.id) is ctx:
                     del self._in_hand[ctx.id]
+            action = str(ctx.action)
+            metrics.STEPS.labels(action, outcome).inc()
+            metrics.STEP_SECONDS.labels(action, outcome).observe(time.monotonic() - claimed)
+            self._count_in_hand()
             self._wake.set()
+
+    def _count_in_hand(self) -> None:
+        with self._lock:
+            metrics.STEPS_IN_HAND.set(len(self._in_hand))
 
     def _run_handler(self, ctx: StepContext) -> None:
         """The step's handler; run again while the database is away or gives up on a statement (a
@@ -275,17 +291,22 @@ class Agent:
                 HANDLERS[ctx.action](ctx)
                 return
             except DatabaseUnavailable as exc:
+                metrics.STEP_DB_RETRIES.inc()
                 log.warning("%s: %s; the step runs again in %.1f s", ctx.step["key"], exc, wait_s,
                             extra={"action": "step_database_retry"})
             ctx.cancel.wait(wait_s)
             ctx.check()
             wait_s = min(wait_s * 2, DB_RETRY_MAX_S)
 
-    def _stopped(self, ctx: StepContext, reason: str) -> None:
+    def _stopped(self, ctx: StepContext, reason: str) -> str:
+        """Report or hand back a stopped step; its outcome (cancelled, handed_back, claim_lost)."""
         if reason == "plan":
             self._report(ctx, StepStatus.CANCELLED, "its plan stopped applying")
-        elif reason == "shutdown":
+            return "cancelled"
+        if reason == "shutdown":
             self._hand_back(ctx.step)
+            return "handed_back"
+        return "claim_lost"
 
     def _hand_back(self, step: Any) -> None:
         """Give a claimed step back (not counted as an attempt): ready again, or cancelled if its plan

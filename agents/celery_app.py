@@ -24,6 +24,7 @@ import threading
 import time
 from typing import Any
 
+from pearl.controlplane.services import metrics
 from pearl.controlplane.store import weights as rows
 from pearl.controlplane.store.db import make_engine, transaction
 from pearl.controlplane.weights import dispatch as sync_dispatch
@@ -73,9 +74,18 @@ def create_app(broker_url: str, node: str) -> Any:
     def sync(self: Any, worker_id: int, version: int) -> str:
         from pearl.agents.weight_sync import run_sync
 
-        with busy:
-            outcome = run_sync(engine(), int(worker_id), int(version), timeout_s=timeout_s, actor=f"worker {node}")
-        return outcome.result
+        result, started = "error", time.monotonic()
+        metrics.SYNCS_RUNNING.inc()
+        try:
+            with busy:
+                outcome = run_sync(engine(), int(worker_id), int(version), timeout_s=timeout_s,
+                                   actor=f"worker {node}")
+            result = outcome.result
+        finally:
+            metrics.SYNCS_RUNNING.dec()
+            metrics.SYNCS.labels(result).inc()
+            metrics.SYNC_SECONDS.labels(result).observe(time.monotonic() - started)
+        return result
 
     return app
 

@@ -184,7 +184,7 @@ class Demo:
             with transaction(engine, actor="pearlctl demo", reason="demo inventory") as session:
                 import_inventory(session, inventory_for(sc, self.cfg.speed))
             env = {"PEARL_DATABASE_URL": database, "PEARL_HOME": str(self.home), "PEARL_BROKER_URL": broker}
-            self.fleet = fleet = LocalFleet(self.run_dir, env)
+            self.fleet = fleet = LocalFleet(self.run_dir, env, metrics=True)
             port = free_port()
             fleet.start_front_door(port)
             r = sc.reconfig

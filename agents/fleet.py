@@ -43,8 +43,10 @@ class Proc:
 
 
 class LocalFleet:
-    def __init__(self, run_dir: Path, env: dict[str, str], *, pearlctl: str | None = None) -> None:
+    def __init__(self, run_dir: Path, env: dict[str, str], *, pearlctl: str | None = None,
+                 metrics: bool = False) -> None:
         self.run_dir = run_dir
+        self.metrics = ("--metrics-port", "0") if metrics else ()  # each process serves /metrics on a free port
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.env = {**os.environ, **env}
         self.pearlctl = pearlctl or str(Path(sys.executable).with_name("pearlctl"))
@@ -65,7 +67,7 @@ class LocalFleet:
     def start_front_door(self, port: int, mode: str = "colocated") -> Proc:
         return self._start("front door", [sys.executable, "-m", MODULE["router"], "serve", "--port", str(port),
                                           "--mode", mode, "--run-dir", str(self.run_dir / "frontdoor"),
-                                          "--register"])
+                                          "--register", *self.metrics])
 
     def start_agent(self, node: str, *, speed: float, sim_args: Iterable[str] = (), lease_s: float = 10.0,
                     poll_s: float = 0.2, crash_after_s: float = 10.0) -> Proc:
@@ -74,13 +76,14 @@ class LocalFleet:
                                             "--speed", repr(speed), "--sim-args", " ".join(sim_args),
                                             "--run-dir", str(self.run_dir / "servers" / node),
                                             "--lease-s", repr(lease_s), "--poll-s", repr(poll_s),
-                                            "--crash-after-s", repr(crash_after_s)])
+                                            "--crash-after-s", repr(crash_after_s), *self.metrics])
 
     def start_worker(self, node: str) -> Proc:
-        return self._start(f"worker {node}", [self.pearlctl, "worker", "--node", node])
+        return self._start(f"worker {node}", [self.pearlctl, "worker", "--node", node, *self.metrics])
 
     def start_loop(self, interval_s: float, lease_s: float) -> Proc:
-        return self._start("loop", [self.pearlctl, "loop", "--interval", repr(interval_s), "--lease-s", repr(lease_s)])
+        return self._start("loop", [self.pearlctl, "loop", "--interval", repr(interval_s), "--lease-s", repr(lease_s),
+                                    *self.metrics])
 
     # -- watching ------------------------------------------------------------------------------------
 

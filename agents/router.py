@@ -672,9 +672,11 @@ def build_admin_app(door: FrontDoor) -> web.Application:
     return app
 
 
-async def serve(cfg: FrontDoorConfig) -> None:
-    """Run the front door and its two routers until SIGTERM or SIGINT."""
+async def serve(cfg: FrontDoorConfig, started: Callable[[FrontDoor], Callable[[], None]] | None = None) -> None:
+    """Run the front door and its two routers until SIGTERM or SIGINT. `started(door)`, once the
+    routers run, returns what to call at the end (the metrics server's stop)."""
     door = FrontDoor(cfg)
+    ended: Callable[[], None] = lambda: None  # noqa: E731
     loop = asyncio.get_running_loop()
     stop, hurry = asyncio.Event(), asyncio.Event()
 
@@ -687,6 +689,8 @@ async def serve(cfg: FrontDoorConfig) -> None:
     admin = web.AppRunner(build_admin_app(door), handle_signals=False, shutdown_timeout=5.0, access_log=None)
     try:
         await door.start()
+        if started is not None:
+            ended = started(door)
         await runner.setup()
         await admin.setup()
         public_site = web.TCPSite(runner, cfg.host, cfg.port, reuse_address=True)
@@ -717,4 +721,5 @@ async def serve(cfg: FrontDoorConfig) -> None:
         await admin.cleanup()
         await runner.cleanup()
     finally:
+        ended()
         await door.stop()

@@ -344,9 +344,9 @@ class TimedAgent(Agent):
 
     first_claim: dict[int, float]
 
-    def _enact(self, ctx: StepContext) -> None:
+    def _enact(self, ctx: StepContext, claimed: float) -> None:
         self.first_claim.setdefault(int(ctx.step["plan_id"]), time.perf_counter())
-        super()._enact(ctx)
+        super()._enact(ctx, claimed)
 
 
 def _propose(engine: Engine, target: Target) -> int:

@@ -11,6 +11,7 @@ import typer
 from pearl.controlplane.errors import BadInput
 
 from .common import handle_errors, setup_logging
+from .metrics import MetricsPort, start_metrics
 
 # SGLang's --disaggregation-transfer-backend choices (0.5.23); a runtime role switch needs mooncake or mori
 TRANSFER_BACKENDS = ("mooncake", "mori", "nixl", "ascend", "mooncake_tcp", "fake")
@@ -51,6 +52,7 @@ def agent(
         "--crash-after-s", min=0.5, help="An active worker's server gone (no process, no answer) this long has "
                                          "crashed: out of service, its GPUs free.")] = 10.0,
     json_logs: Annotated[bool, typer.Option("--json-logs", help="One JSON object per log line.")] = False,
+    metrics_port: MetricsPort = None,
 ) -> None:
     """Claim this node's plan steps and enact them through the driver; stops cleanly on SIGTERM (the
     steps in hand finish or are handed back) and loses nothing on SIGKILL (their leases expire and the
@@ -69,8 +71,10 @@ def agent(
         raise BadInput(f"--transfer-backend: one of {', '.join(TRANSFER_BACKENDS)}, not {transfer_backend!r}")
     setup_logging(json_logs)
     engine = make_engine()
+    stop_metrics = lambda: None  # noqa: E731
     try:
         require_schema(engine)
+        stop_metrics = start_metrics(engine, "agent", metrics_port, node=node)
         token = control_token(engine)
         options: dict[str, Any] = {"admin_api_key": token}
         if driver == "sim":
@@ -94,6 +98,7 @@ def agent(
             for sig, handler in handlers.items():
                 signal.signal(sig, handler)
     finally:
+        stop_metrics()
         engine.dispose()
 
 

@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from .common import emit_json, handle_errors, out, setup_logging
+from .metrics import MetricsPort, start_metrics
 
 Manual = Annotated[bool, typer.Option("--manual", help="Borrowing and PD changes wait for `pearlctl apply`; "
                                                        "returns and drains before a deadline still apply.")]
@@ -48,6 +49,7 @@ def loop_command(
                                          help="Leadership lapses this long after the leader's last renewal.")] = 15.0,
     manual: Manual = False,
     json_logs: Annotated[bool, typer.Option("--json-logs", help="One JSON object per log line.")] = False,
+    metrics_port: MetricsPort = None,
 ) -> None:
     """Lead the policy loop: a pass on every report from the trainer, the rollout or the provider, and
     at least every --interval seconds. Another copy takes over when this one dies."""
@@ -59,11 +61,16 @@ def loop_command(
     from pearl.controlplane.store.db import make_engine, require_schema
 
     engine = make_engine()
+    stop_metrics = lambda: None  # noqa: E731
     try:
         require_schema(engine)
+        from pearl.controlplane.store.fleet_metrics import FleetCollector
+
+        stop_metrics = start_metrics(engine, "loop", metrics_port, extra=(FleetCollector(engine),))
         loop = PolicyLoop(engine, LoopConfig(interval_s=interval, lease_s=lease, manual=manual))
         signal.signal(signal.SIGTERM, lambda *_: loop.stop())
         signal.signal(signal.SIGINT, lambda *_: loop.stop())
         loop.run()
     finally:
+        stop_metrics()
         engine.dispose()

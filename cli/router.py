@@ -5,13 +5,15 @@ from __future__ import annotations
 import os
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from pearl.controlplane.errors import BadInput, PearlError
 
 from .common import emit_json, handle_errors, out
+from .metrics import MetricsPort, start_metrics
 
 router_app = typer.Typer(help="The front door: one client address over the sglang routers.", no_args_is_help=True)
 
@@ -43,6 +45,7 @@ def serve(
     advertise_admin_url: Annotated[str | None, typer.Option(
         help="The admin API's URL the agents reach it at (default http://ADMIN_HOST:ADMIN_PORT; required when "
              "ADMIN_HOST is a wildcard).")] = None,
+    metrics_port: MetricsPort = None,
 ) -> None:
     """Run the front door and its routers until SIGTERM. The admin API (the agents' registrations and
     mode changes) has a port of its own and, with a database (or PEARL_TOKEN_FILE), needs the
@@ -83,7 +86,7 @@ def serve(
     try:
         import asyncio
 
-        asyncio.run(run(cfg))
+        asyncio.run(run(cfg, started=lambda door: _metrics(engine, metrics_port, door)))
     except RuntimeError as exc:
         raise PearlError(str(exc)) from None
     finally:
@@ -92,6 +95,12 @@ def serve(
 
             router_stopped(engine, pid=os.getpid())
             engine.dispose()
+
+
+def _metrics(engine: Any, port: int | None, door: Any) -> Callable[[], None]:
+    from pearl.agents.frontdoor_metrics import FrontDoorCollector
+
+    return start_metrics(engine, "frontdoor", port, extra=(FrontDoorCollector(door),))
 
 
 WILDCARDS = ("0.0.0.0", "::", "")

@@ -17,6 +17,7 @@ from typing import Annotated
 import typer
 
 from .common import handle_errors, setup_logging
+from .metrics import MetricsPort, start_metrics
 
 
 def register(app: typer.Typer) -> None:
@@ -33,6 +34,7 @@ def worker(
                                            help="Start again in place when the queue holds work and a thread "
                                                 "stays free this long.")] = 60.0,
     json_logs: Annotated[bool, typer.Option("--json-logs", help="Log JSON lines.")] = False,
+    metrics_port: MetricsPort = None,
 ) -> None:
     """Run a node's weight-sync worker until SIGTERM."""
     from pearl.agents import celery_app
@@ -45,6 +47,7 @@ def worker(
     setup_logging(json_logs)
     broker = embedded.broker_url()
     require_schema(celery_app.engine())
+    stop_metrics = start_metrics(celery_app.engine(), "worker", metrics_port, node=node)
     app = celery_app.create_app(broker, node)
     celery_app.resend_pending(app, broker, node)
     resender = celery_app.Resender(app, broker, node, resend_s, concurrency=concurrency, stall_s=stall_s)
@@ -56,6 +59,8 @@ def worker(
         w.start()
     finally:
         resender.stopped.set()
+        if not w.exitcode or celery_app.shutting_down():  # a restart in place keeps the row (same PID)
+            stop_metrics()
     if w.exitcode and not celery_app.shutting_down():
         # Celery gave up on an error nobody asked for (a broker connection lost mid-acknowledgement can
         # end it as "unrecoverable"): start again in place, as a service manager would

@@ -92,10 +92,12 @@ class LiveFleet:
         thread.start()
         self.agents.append((agent, thread))
 
-    def start_worker(self, node: str, concurrency: int = 4, stall_s: float = 60.0) -> subprocess.Popen:
+    def start_worker(self, node: str, concurrency: int = 4, stall_s: float = 60.0,
+                     metrics: bool = False) -> subprocess.Popen:
         log = (self.run_dir / f"worker-{node}.log").open("ab")
         proc = subprocess.Popen([str(PEARLCTL), "worker", "--node", node, "--concurrency", str(concurrency),
-                                 "--resend-s", "2", "--stall-s", str(stall_s)],
+                                 "--resend-s", "2", "--stall-s", str(stall_s),
+                                 *(("--metrics-port", "0") if metrics else ())],
                                 env=self.env, cwd=REPO, stdin=subprocess.DEVNULL, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True)
         log.close()

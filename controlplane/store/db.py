@@ -8,6 +8,8 @@ import contextlib
 import functools
 import os
 import re
+import threading
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -64,6 +66,39 @@ STATE_CONSTRAINTS = frozenset({
     "ck_plan_steps_running_is_claimed",
     "ck_plan_steps_pending_non_negative",
 })
+
+
+# Database errors this process met in transactions, by kind (`error_kind`): exported as
+# `pearl_database_errors_total` by the processes that serve metrics (store/fleet_metrics.py).
+DATABASE_ERRORS: Counter[str] = Counter()
+_ERRORS_LOCK = threading.Lock()
+_KINDS = {"57014": "statement_cancelled", "40P01": "deadlock", "40001": "serialization_failure",
+          "55P03": "lock_not_available", "25P03": "idle_in_transaction_timeout",
+          ILLEGAL_TRANSITION: "illegal_transition", INVARIANT_VIOLATION: "illegal_transition",
+          STALE_FENCE: "stale_fence", BAD_EVENT: "bad_input", APPEND_ONLY: "append_only", "23514": "check_violation"}
+ERROR_KINDS = (*sorted(set(_KINDS.values())), "connection", "other")
+
+
+def error_kind(exc: BaseException) -> str:
+    """A bounded name for a database error (SQLAlchemy's, or the driver's own): its SQLSTATE's
+    meaning, `connection`, or `other`."""
+    orig = getattr(exc, "orig", exc)
+    state = getattr(orig, "sqlstate", None)
+    if state in _KINDS:
+        return _KINDS[state]
+    lost = type(orig).__name__ == "OperationalError" and (state is None or state.startswith(("08", "57P", "53")))
+    return "connection" if lost else "other"
+
+
+def count_error(exc: BaseException) -> None:
+    with _ERRORS_LOCK:
+        DATABASE_ERRORS[error_kind(exc)] += 1
+
+
+def database_errors() -> dict[str, int]:
+    """What `count_error` counted so far, by kind."""
+    with _ERRORS_LOCK:
+        return dict(DATABASE_ERRORS)
 
 
 class SchemaMissing(PearlError):
@@ -174,6 +209,7 @@ def transaction(
             set_actor(session, actor, reason)
             yield session
     except DBAPIError as exc:
+        count_error(exc)
         mapped = translate(exc, engine)
         if mapped is None:
             raise

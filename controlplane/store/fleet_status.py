@@ -6,7 +6,8 @@ Also `cluster` (model, gpu, tp, imported_at), `gpus.by_zone_state` (zone -> stat
 plan's steps in progress with the agent holding each claim (`plan.running`), the node agents with
 the age of their heartbeat (`agents`), and the front door (`router`: url, mode, started_at, stopped_at,
 heartbeat_age_s, running: not stopped and heard from within `routers.SILENT_S`; null when none was ever
-registered).
+registered), and where every live process serves Prometheus metrics (`metrics`: [ {`component`, `node`,
+`url`} ], `metrics_endpoints.live`).
 Weights: `trainer_version` (the newest version the trainer produced), each worker's `weights_lag`
 (versions behind it) and its newest weight sync (`sync`: version, state, error; null without one).
 A slot whose server failed to start shows until when it is left out of targets (`start_backoff_until`,
@@ -19,7 +20,7 @@ from collections import Counter, defaultdict
 from typing import Any
 
 from pearl.controlplane.core.domain import StepStatus
-from pearl.controlplane.store import routers
+from pearl.controlplane.store import metrics_endpoints, routers
 from pearl.controlplane.store.db import transaction
 from pearl.controlplane.store.schema import GPU, Agent, Fleet, Lease, Node, Plan, PlanStep, Router, Worker
 from pearl.controlplane.store.snapshot import start_backoffs
@@ -166,6 +167,7 @@ def fleet_status(session: Session) -> dict[str, Any]:
         "leases": leases,
         "agents": _agents(session, nodes),
         "router": _router(session),
+        "metrics": metrics_endpoints.live(session),
     }
 
 

@@ -11,7 +11,7 @@ import threading
 from collections.abc import Callable, Iterable
 
 import psycopg
-from pearl.controlplane.store.db import connect_args
+from pearl.controlplane.store.db import connect_args, count_error
 from sqlalchemy import Engine
 
 log = logging.getLogger("pearl.notifications")
@@ -37,6 +37,7 @@ def listen(engine: Engine, channels: Iterable[str], on_notify: Callable[[str, st
                     for note in conn.notifies(timeout=1.0):
                         on_notify(note.channel, note.payload)
         except psycopg.Error as exc:
+            count_error(exc)
             log.debug("listener: %s", exc)
             stop.wait(backoff)
             backoff = min(backoff * 2, 10.0)

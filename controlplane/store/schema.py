@@ -511,6 +511,26 @@ class ControlSecret(Base):
     created_at: Mapped[datetime] = mapped_column(TS, server_default=NOW)
 
 
+class MetricsEndpoint(Base):
+    """Where a live pearl process serves `/metrics` (0011); heartbeated by it, deleted when it stops."""
+
+    __tablename__ = "metrics_endpoints"
+    __table_args__ = (
+        CheckConstraint("component IN ('agent', 'loop', 'frontdoor', 'worker')", name="known_component"),
+        CheckConstraint("url ~ '^https?://[^/?#]+/metrics$'", name="metrics_url"),
+        UniqueConstraint("host", "pid", "component"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    component: Mapped[str] = mapped_column(Text)
+    node: Mapped[str | None] = mapped_column(Text)
+    url: Mapped[str] = mapped_column(Text)
+    host: Mapped[str] = mapped_column(Text)
+    pid: Mapped[int] = mapped_column(Integer)
+    started_at: Mapped[datetime] = mapped_column(TS, server_default=text("pearl_now()"))
+    heartbeat_at: Mapped[datetime] = mapped_column(TS, server_default=text("pearl_now()"))
+
+
 class LeaderLease(Base):
     """Leadership of a long-running loop (`pearlctl loop`): held until `expires_at` unless renewed."""
 

@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass
 
 from pearl.controlplane.errors import DatabaseUnavailable, PearlError
+from pearl.controlplane.services import metrics
 from pearl.controlplane.store import agent_registry, signals
 from pearl.controlplane.store.db import transaction
 from pearl.controlplane.store.notifications import listen
@@ -76,10 +77,13 @@ class PolicyLoop:
                     try:
                         self._pass()
                     except DatabaseUnavailable as exc:
+                        metrics.PASSES.labels("failed").inc()
                         log.warning("database unavailable: %s", exc, extra={"action": "database_unavailable"})
                     except PearlError as exc:
+                        metrics.PASSES.labels("failed").inc()
                         log.warning("pass failed: %s", exc, extra={"action": "tick_failed"})
                     except DBAPIError as exc:  # an error pearl has no name for ends the pass, not the loop
+                        metrics.PASSES.labels("failed").inc()
                         log.error("pass failed on a database error: %s", exc, extra={"action": "tick_failed"})
                 # the interval (and the lease's renewal, well within it) bounds the wait
                 self._wake.wait(max(0.0, last_pass + min(c.interval_s, c.lease_s / 3) - time.monotonic()))
@@ -126,8 +130,10 @@ class PolicyLoop:
         with transaction(self.engine) as session:
             position = signals.rollout_position(session)
         self._step = position[0] if position is not None else None
+        started = time.perf_counter()
         result = tick(self.engine, holder=self.holder, manual=self.config.manual, lease_s=self.config.lease_s,
                       event=",".join(dict.fromkeys(events)) or "interval", keep_lease=True)
+        _count(result, time.perf_counter() - started)
         leading = result.leading
         if leading != self.leading:
             log.info("%s the policy loop", "leading" if leading else "following", extra={"action": "leadership"})
@@ -154,3 +160,21 @@ class PolicyLoop:
             self._listening.set()
 
         listen(self.engine, ("pearl_signals", "pearl_plans"), woken, self._stop, listening)
+
+
+def _count(result: TickResult, seconds: float) -> None:
+    """The pass in the loop's metrics: its outcome and, as the leader, its duration and decision."""
+    metrics.LEADING.set(1 if result.leading else 0)
+    if not result.leading:
+        metrics.PASSES.labels("following").inc()
+        return
+    metrics.PASS_SECONDS.observe(seconds)
+    decision = result.decision if result.ran else None
+    if decision is None:
+        metrics.PASSES.labels("unchanged").inc()
+        return
+    metrics.PASSES.labels("decided").inc()
+    metrics.DECISIONS.labels((decision.get("target") or {}).get("mode") or "none").inc()
+    for key, name in (("predicted_current_s", "current"), ("predicted_target_s", "target")):
+        if decision.get(key) is not None:
+            metrics.PREDICTED.labels(name).set(float(decision[key]))

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from metrics_support import check_conventions, scrape, value
 from pearl.agents.fleet import LocalFleet
 from pearl.controlplane.api import ControlPlane
 from pearl.controlplane.core.domain import Activity, WorkerZone
@@ -28,7 +29,8 @@ SPEED = 20.0  # the simulated servers' time compression, and the inventory's tim
 @pytest.fixture
 def live(db_engine: Engine, database_url: str, tmp_path: Path) -> Iterator[tuple[LocalFleet, ControlPlane]]:
     import_cluster(db_engine, {**small_inventory(), "time_scale": SPEED})
-    fleet = LocalFleet(tmp_path / "run", {"PEARL_DATABASE_URL": database_url, "PEARL_HOME": str(tmp_path)})
+    fleet = LocalFleet(tmp_path / "run", {"PEARL_DATABASE_URL": database_url, "PEARL_HOME": str(tmp_path)},
+                       metrics=True)
     for node in ("train-0", "roll-0", "spot-0"):
         fleet.start_agent(node, speed=SPEED, sim_args=("--startup-s", "10"), lease_s=3.0, poll_s=0.1)
     fleet.start_loop(interval_s=0.5, lease_s=3.0)
@@ -38,6 +40,7 @@ def live(db_engine: Engine, database_url: str, tmp_path: Path) -> Iterator[tuple
         yield fleet, ControlPlane(engine=db_engine)
     finally:
         assert fleet.stop() == []  # everything stopped on SIGTERM
+    assert read_fleet_status(db_engine)["metrics"] == []  # ... and took its metrics endpoint with it
 
 
 def _wait(condition, timeout_s: float, fleet: LocalFleet) -> None:
@@ -95,3 +98,27 @@ def test_events_through_the_loop_and_agents_return_every_gpu_in_time(live: tuple
             "JOIN leases l ON l.gpu_id = g.id AND l.returned_at IS NULL "
             "WHERE g.zone = 'preemptible' AND l.deadline IS NOT NULL")).one()
     assert held == 0 and ahead
+    _check_loop_metrics(db_engine)
+
+
+def _check_loop_metrics(engine: Engine) -> None:
+    """The loop's page: its passes and decisions, and the fleet as the rows have it (late returns: none)."""
+    status = read_fleet_status(engine)
+    listed = {(m["component"], m["node"]): m["url"] for m in status["metrics"]}
+    assert set(listed) == {("loop", None), ("agent", "train-0"), ("agent", "roll-0"), ("agent", "spot-0")}
+    page = scrape(listed[("loop", None)])
+    assert check_conventions(page) == []
+    assert value(page, "pearl_policy_leading") == 1
+    assert value(page, "pearl_policy_passes_total", outcome="decided") >= 3  # borrow, return, grant, revoke
+    assert value(page, "pearl_policy_decisions_total") == value(page, "pearl_policy_passes_total", outcome="decided")
+    assert value(page, "pearl_policy_pass_duration_seconds_count") >= value(page, "pearl_policy_passes_total",
+                                                                            outcome="decided")
+    assert value(page, "pearl_gpus") == status["gpus"]["total"]
+    assert value(page, "pearl_borrow_returns_total", timeliness="on_time") >= 1
+    assert value(page, "pearl_borrow_returns_total", timeliness="late") == 0
+    assert value(page, "pearl_plans", status="succeeded") >= 3
+    assert value(page, "pearl_plan_duration_seconds_count") >= 3
+    assert value(page, "pearl_predicted_makespan_seconds", configuration="target") > 0
+    claims = sum(value(scrape(listed[("agent", node)]), "pearl_step_claims_total")
+                 for node in ("train-0", "roll-0", "spot-0"))
+    assert claims >= 3

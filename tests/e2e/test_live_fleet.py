@@ -15,6 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
+from metrics_support import check_conventions, scrape, value
 from pearl.agents.drivers.process import free_port
 from pearl.agents.fleet import LocalFleet
 from pearl.controlplane.core.domain import Activity, Role
@@ -42,7 +43,8 @@ ALL = frozenset({1, 2, 3, 4})
 @pytest.fixture
 def live(db_engine: Engine, database_url: str, tmp_path: Path) -> Iterator[tuple[LocalFleet, str]]:
     import_cluster(db_engine, TWO_NODES)
-    fleet = LocalFleet(tmp_path / "run", {"PEARL_DATABASE_URL": database_url, "PEARL_HOME": str(tmp_path)})
+    fleet = LocalFleet(tmp_path / "run", {"PEARL_DATABASE_URL": database_url, "PEARL_HOME": str(tmp_path)},
+                       metrics=True)
     port = free_port()
     fleet.start_front_door(port)
     for node in ("node-a", "node-b"):
@@ -85,6 +87,7 @@ def test_plans_switch_colocated_2p2d_1p3d_colocated_under_load_with_no_failed_re
         live: tuple[LocalFleet, str], db_engine: Engine) -> None:
     fleet, url = live
     assert _apply(db_engine, Target(ALL, {Role.COLOCATED: 4}))["status"] == "succeeded"
+    agents_before = _agent_steps(db_engine)
     load = Load(url, trajectories=6).start()
     try:
         load.wait_turns(10, timeout_s=60)
@@ -106,6 +109,42 @@ def test_plans_switch_colocated_2p2d_1p3d_colocated_under_load_with_no_failed_re
         load.stop()
     assert load.failures == [] and load.turns > 40
     assert fleet.check() is None
+    _check_metrics(db_engine, agents_before, load.turns)
+
+
+def _endpoints(engine: Engine) -> dict[tuple[str, str | None], str]:
+    return {(m["component"], m["node"]): m["url"] for m in read_fleet_status(engine)["metrics"]}
+
+
+def _agent_steps(engine: Engine) -> dict[str, float]:
+    """Steps each agent ended, by action (its /metrics)."""
+    steps: Counter[str] = Counter()
+    for (component, _), where in _endpoints(engine).items():
+        if component == "agent":
+            family = scrape(where)["pearl_steps"]
+            steps.update({s.labels["action"]: s.value for s in family.samples if s.labels["outcome"] == "succeeded"})
+    return dict(steps)
+
+
+def _check_metrics(engine: Engine, agents_before: dict[str, float], turns: int) -> None:
+    """Every process of the fleet is listed with its /metrics, and what the switches did shows there."""
+    listed = _endpoints(engine)
+    assert set(listed) == {("frontdoor", None), ("agent", "node-a"), ("agent", "node-b")}
+    door = scrape(listed[("frontdoor", None)])
+    assert check_conventions(door) == []
+    assert value(door, "pearl_frontdoor_requests_total", outcome="served") >= turns
+    assert value(door, "pearl_frontdoor_requests_total", outcome="failed") == 0
+    assert value(door, "pearl_frontdoor_mode", mode="colocated") == 1
+    for mode in ("colocated", "split"):  # each child router's own series, re-exported
+        assert value(door, "pearl_frontdoor_router_scrape_ok", router_mode=mode) == 1
+    own = [f for name, f in door.items() if not name.startswith(("pearl_", "process_", "python_"))]
+    assert {s.labels.get("router_mode") for f in own for s in f.samples} >= {"colocated", "split"}
+    after = _agent_steps(engine)
+    for action in ("flip_role", "router_sync"):  # the switches' steps, counted by the agents that ran them
+        assert after.get(action, 0) > agents_before.get(action, 0), (action, agents_before, after)
+    for (component, _), where in listed.items():
+        if component == "agent":
+            assert check_conventions(scrape(where)) == []
 
 
 def test_an_agent_killed_mid_step_is_rescued_and_the_step_takes_effect_once(

@@ -12,12 +12,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from metrics_support import check_conventions, scrape, value
 from pearl.controlplane.core.domain import Role
 from pearl.controlplane.core.fleet import Target
 from pearl.controlplane.errors import BadInput
 from pearl.controlplane.store import plan_store
 from pearl.controlplane.store import weights as rows
 from pearl.controlplane.store.db import transaction
+from pearl.controlplane.store.fleet_status import read_fleet_status
 from plan_support import propose
 from sqlalchemy import Engine, text
 from weights_support import LiveFleet, bring_up, snapshot, sync_rows, version_moves, wait_for
@@ -44,11 +46,22 @@ def live(db_engine: Engine, database_url: str, broker: str, tmp_path: Path,
 def test_training_end_brings_every_serving_worker_to_the_new_version_once(live: LiveFleet) -> None:
     for node in ("node-a", "node-b"):
         live.start_agent(node)
-        live.start_worker(node)
+        live.start_worker(node, metrics=node == "node-a")
     live.serve({1, 2, 3})
     assert live.versions() == {1: 0, 2: 0, 3: 0}
     live.train(1, 1)
     live.wait_versions({1, 2, 3}, 1)
+    # node-a's worker synced its node's servers, and says so on its /metrics
+    listed = [m for m in read_fleet_status(live.engine)["metrics"] if m["component"] == "worker"]
+    assert [m["node"] for m in listed] == ["node-a"]
+    page = scrape(listed[0]["url"])
+    assert check_conventions(page) == []
+    with live.engine.connect() as conn:
+        done = conn.execute(text("SELECT count(*) FROM workers w JOIN nodes n ON n.id = w.node_id "
+                                 "WHERE n.name = 'node-a' AND w.id IN (1, 2, 3)")).scalar()
+    assert done and value(page, "pearl_weight_syncs_total", outcome="done") == done
+    assert value(page, "pearl_weight_sync_duration_seconds_count", outcome="done") == done
+    assert value(page, "pearl_weight_syncs_running") == 0
     rows = sync_rows(live.engine)
     assert [(r["worker_id"], r["version"], r["state"], r["method"]) for r in rows] == [
         (w, 1, "done", "snapshot") for w in (1, 2, 3)]
@@ -61,6 +74,7 @@ def test_training_end_brings_every_serving_worker_to_the_new_version_once(live: 
     assert all(version_moves(live.engine, w, 2) == 1 and live.served(w)["loads"] == 2 for w in (1, 2, 3))
     for node in ("node-a", "node-b"):  # SIGTERM: a clean stop
         assert live.stop_worker(node) == 0, live.worker_log(node)
+    assert read_fleet_status(live.engine)["metrics"] == []  # its endpoint went with it
 
 
 @pytest.mark.reliability
