@@ -115,6 +115,7 @@ class Demo:
         self.fleet: LocalFleet | None = None
         self.trainer: TrainerEmulator | None = None
         self.started: list[str] = []  # embedded servers this demo started (stopped at the end)
+        self.dashboard_url: str | None = None  # `pearlctl dashboard`, while the demo runs
         self._stop_reason: str | None = None
 
     # -- services ------------------------------------------------------------------------------------
@@ -187,6 +188,12 @@ class Demo:
             self.fleet = fleet = LocalFleet(self.run_dir, env, metrics=True)
             port = free_port()
             fleet.start_front_door(port)
+            dashboard_port = free_port()
+            fleet.start_dashboard(dashboard_port)
+            self.dashboard_url = f"http://127.0.0.1:{dashboard_port}/"
+            if self.view is None:
+                print(f"demo: the dashboard is at {self.dashboard_url} while the demo runs", file=sys.stderr,
+                      flush=True)
             r = sc.reconfig
             sim_args = ("--startup-s", repr(r.cold_start_s), "--role-switch-s", repr(r.role_switch_s),
                         "--weight-load-s", repr(sc.training.weight_sync_s))
@@ -236,7 +243,7 @@ class Demo:
             **{f"simulated_{key}": simulated.get("pearl", {}).get(key) if simulated else None
                for key in ("tokens_per_s", "tokens_per_s_window", "tokens_per_s_ratio_of_sums")},
             "systems": simulated, "stopped": self._stop_reason, "killed": killed,
-            "database": redact_url(database),
+            "database": redact_url(database), "dashboard": self.dashboard_url,
         }
         return DemoRun(out, database, self.run_dir, died, tuple(killed or ()), activity, list(stats.timeline),
                        stats.started_at)

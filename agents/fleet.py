@@ -3,11 +3,11 @@
 `pearlctl demo` (and the end-to-end tests) run pearl as a cluster runs it, on this machine: the front
 door (`pearlctl router serve`), one agent per node (`pearlctl agent --driver sim`, which launches the
 simulated SGLang servers), one weight-sync Celery worker per node (`pearlctl worker`), and the policy
-loop (`pearlctl loop`). Each is a separate process in a session of its own, with
-its log under the run directory. `check()` says which one died, with its last log lines; `stop()`
-sends SIGTERM to each (the loop and the agents first, then the workers and the front door), waits, kills
-what is left, then stops the servers the agents launched (the drivers' records), so nothing outlives
-the fleet.
+loop (`pearlctl loop`); the demo adds the dashboard (`pearlctl dashboard`). Each is a separate
+process in a session of its own, with its log under the run directory. `check()` says which one
+died, with its last log lines; `stop()` sends SIGTERM to each (the loop and the agents first, then
+the workers, the front door and the dashboard), waits, kills what is left, then stops the servers
+the agents launched (the drivers' records), so nothing outlives the fleet.
 """
 
 from __future__ import annotations
@@ -78,6 +78,9 @@ class LocalFleet:
                                             "--lease-s", repr(lease_s), "--poll-s", repr(poll_s),
                                             "--crash-after-s", repr(crash_after_s), *self.metrics])
 
+    def start_dashboard(self, port: int) -> Proc:
+        return self._start("dashboard", [self.pearlctl, "dashboard", "--port", str(port)])
+
     def start_worker(self, node: str) -> Proc:
         return self._start(f"worker {node}", [self.pearlctl, "worker", "--node", node, *self.metrics])
 
@@ -98,7 +101,7 @@ class LocalFleet:
         order = sorted(self.procs, key=lambda p: (0 if p.name == "loop" else 1 if p.name.startswith("agent")
                                                   else 2 if p.name.startswith("worker") else 3))
         killed: list[str] = []
-        for group in (("loop",), ("agent",), ("worker", "front door")):
+        for group in (("loop",), ("agent",), ("worker", "front door", "dashboard")):
             procs = [p for p in order if p.name.startswith(group) and p.alive()]
             for p in procs:
                 with contextlib.suppress(ProcessLookupError):

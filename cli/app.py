@@ -31,7 +31,7 @@ def _register() -> None:
     init.register(app)
     cluster.register(app)
     status.register(app)
-    from pearl.cli import apply, check, event, plan, policy, profile, reap
+    from pearl.cli import apply, check, dashboard, event, plan, policy, profile, reap
 
     plan.register(app)
     policy.register(app)
@@ -40,6 +40,7 @@ def _register() -> None:
     profile.register(app)
     reap.register(app)
     check.register(app)
+    dashboard.register(app)
     from pearl.cli import agent, demo, router, simworker, worker
 
     agent.register(app)

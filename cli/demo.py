@@ -53,7 +53,8 @@ def demo(
     live = Live(Text("starting the live system..."), console=err, auto_refresh=False, transient=False)
 
     def view(status: dict[str, Any], stats: Any, model_s: float) -> None:
-        live.update(_render(status, stats, model_s, speed), refresh=True)
+        live.update(Group(_render(status, stats, model_s, speed),
+                          Text(f"dashboard: {runner.dashboard_url}" if runner.dashboard_url else "")), refresh=True)
 
     runner = Demo(DemoConfig(scenario=scenario, speed=speed, duration_s=duration, simulate=simulate,
                                     steps=steps),
@@ -67,6 +68,9 @@ def demo(
         emit_json(s)
     else:
         out.print(_summary_table(s))
+        if s.get("dashboard"):
+            out.print(f"the dashboard was at {s['dashboard']} while the demo ran (`pearlctl dashboard` serves it "
+                      "over the rows any time)", highlight=False)
         out.print(f"\nthe run's rows stay in {s['database']}; worth running there "
                   f"(psql \"{_psql(result.database_url)}\"):", highlight=False)
         from pearl.agents.demo import QUERIES

@@ -58,8 +58,9 @@ SELECT
       AS predicted_current_s,
   (SELECT predicted_target_s FROM decisions WHERE predicted_target_s IS NOT NULL ORDER BY id DESC LIMIT 1)
       AS predicted_target_s,
-  (SELECT extract(epoch FROM ended_at - began_at) FROM rollout_progress WHERE ended_at IS NOT NULL
-     ORDER BY step DESC LIMIT 1) AS measured_s
+  (SELECT extract(epoch FROM ended_at - began_at)
+           * coalesce((SELECT (inventory ->> 'time_scale')::double precision FROM fleet WHERE id = 1), 1)
+   FROM rollout_progress WHERE ended_at IS NOT NULL ORDER BY step DESC LIMIT 1) AS measured_s
 """
 
 
@@ -165,7 +166,9 @@ class FleetCollector(Collector):
         yield predicted
         if s["measured_s"] is not None:
             yield GaugeMetricFamily("pearl_measured_makespan_seconds", "The last finished rollout step's "
-                                    "measured makespan (first report to last trajectory).", float(s["measured_s"]))
+                                    "measured makespan (first report to last trajectory; model seconds, as the "
+                                    "predictions: wall seconds times the inventory's time_scale).",
+                                    float(s["measured_s"]))
 
 
 class DatabaseErrorsCollector(Collector):

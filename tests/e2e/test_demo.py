@@ -75,6 +75,7 @@ def test_a_short_demo_runs_the_whole_system_and_leaves_nothing_behind(tmp_path: 
     assert s["plans_applied"] > 0 and s["weight_syncs"] > 0
     assert s["failed_requests"] == 0 and s["requests"] > 0
     assert s["violations"] == []  # `pearlctl check` over the rows the run left
+    assert s["dashboard"].startswith("http://127.0.0.1:") and "dashboard is at" in err
     # all three metrics are reported (not ordered: the window counts the first step's tokens, which the
     # per-step metric and the ratio of sums drop with the first step's duration)
     assert s["tokens_per_s"] > 0 and s["tokens_per_s_ratio_of_sums"] > 0 and s["tokens_per_s_window"] > 0
