@@ -209,9 +209,14 @@ def compare(scenario: ScenarioOpt, set_: SetOpt = None, json_: JsonOpt = False, 
     with _Bar(sc.duration_s, names) as bar:
         seeded = compare_seeds(sc, seeds, ablations=ablations, progress=bar)
     comparison = seeded.runs[0]
-    if plot is not None:
-        plot_comparison({**comparison.systems, **comparison.ablations}, plot)
     data = seeded.as_dict()
+    if plot is not None:
+        runs = {**comparison.systems, **comparison.ablations}
+        summaries = {**data["systems"], **data.get("ablations", {})}
+        intervals = {name: (summaries[name]["tokens_per_s"], *summaries[name]["tokens_per_s_ci95"])
+                     for name in runs if summaries.get(name, {}).get("tokens_per_s_ci95")} if seeds > 1 else None
+        plot_comparison(runs, plot, intervals if intervals and len(intervals) == len(runs) else None,
+                        data.get("seeds"))
     _warn_idle(sc, {**data["systems"], **data.get("ablations", {})})
     bound = data["checks"].get("oracle_upper_bound")
     if json_:

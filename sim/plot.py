@@ -105,20 +105,35 @@ def plot_run(result: Result, path: Path) -> Path:
     return path
 
 
-def comparison_figure(results: dict[str, Result]):
-    """The metric of every system as bars, then one panel per system (GPUs by state and its generated
-    tokens/s), every panel on the same scales."""
+def comparison_figure(results: dict[str, Result], intervals: dict[str, tuple[float, float, float]] | None = None,
+                      seeds: list[int] | None = None):
+    """The metric of every system as bars (with `intervals`, name -> (mean, low, high) over `seeds`:
+    the means with their 95% intervals), then one panel per system (GPUs by state and its generated
+    tokens/s, the first seed's run), every panel on the same scales."""
     n = len(results)
     fig, axes = plt.subplots(n + 1, 1, figsize=(13, 1.2 + 2.3 * (n + 1)),
                              gridspec_kw={"height_ratios": [1.2] + [2] * n})
     first = next(iter(results.values()))
     names = list(results)
-    values = [r.tokens_per_s for r in results.values()]
-    bars = axes[0].barh(names[::-1], values[::-1], color="#808080")
-    axes[0].bar_label(bars, labels=[f"{v:,.0f}" for v in values[::-1]], padding=3, fontsize=8)
+    if intervals:
+        values = [intervals[name][0] for name in names]
+        err = [[intervals[name][0] - intervals[name][1] for name in names][::-1],
+               [intervals[name][2] - intervals[name][0] for name in names][::-1]]
+        bars = axes[0].barh(names[::-1], values[::-1], color="#808080", xerr=err, capsize=3, ecolor="black")
+        labels = [f"{intervals[name][0]:,.0f} [{intervals[name][1]:,.0f}, {intervals[name][2]:,.0f}]"
+                  for name in names][::-1]
+        high = max([intervals[name][2] for name in names] + [1])
+        title = f"{first.scenario}: mean over seeds {', '.join(map(str, seeds or []))} with 95% intervals"
+    else:
+        values = [r.tokens_per_s for r in results.values()]
+        bars = axes[0].barh(names[::-1], values[::-1], color="#808080")
+        labels = [f"{v:,.0f}" for v in values[::-1]]
+        high = max(values + [1])
+        title = first.scenario
+    axes[0].bar_label(bars, labels=labels, padding=3, fontsize=8)
     axes[0].set_xlabel("tokens/s (generated + trained tokens of completed training steps)")
-    axes[0].set_xlim(0, max(values + [1]) * 1.15)
-    axes[0].set_title(first.scenario)
+    axes[0].set_xlim(0, high * 1.25)
+    axes[0].set_title(title)
     panels = axes[1:]
     twins = []
     top_gpus = 0.0
@@ -129,7 +144,8 @@ def comparison_figure(results: dict[str, Result]):
         _throughput(twin, result)
         twin.set_ylabel("generated tok/s", fontsize=8)
         twins.append(twin)
-        ax.set_title(f"{name}: {result.tokens_per_s:,.0f} tokens/s", fontsize=9)
+        seed = f" (seed {seeds[0]})" if intervals and seeds else ""
+        ax.set_title(f"{name}{seed}: {result.tokens_per_s:,.0f} tokens/s", fontsize=9)
         top_gpus = max(top_gpus, ax.get_ylim()[1])
         top_rate = max(top_rate, twin.get_ylim()[1])
     for ax, twin in zip(panels, twins, strict=True):  # the same scales in every panel
@@ -143,10 +159,12 @@ def comparison_figure(results: dict[str, Result]):
     return fig
 
 
-def plot_comparison(results: dict[str, Result], path: Path) -> Path:
+def plot_comparison(results: dict[str, Result], path: Path,
+                    intervals: dict[str, tuple[float, float, float]] | None = None,
+                    seeds: list[int] | None = None) -> Path:
     """Write `comparison_figure` as a PNG."""
     path = check_path(path)
-    fig = comparison_figure(results)
+    fig = comparison_figure(results, intervals, seeds)
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path

@@ -68,6 +68,14 @@ def _pairs(rows: list[Any]) -> dict[tuple[str, str], int]:
     return {(r.a, r.b): int(r.n) for r in rows}
 
 
+def _gauge(name: str, doc: str, value: Any) -> GaugeMetricFamily:
+    """A gauge with its one sample, or none while the value is unknown (the family is always there)."""
+    family = GaugeMetricFamily(name, doc)
+    if value is not None:
+        family.add_metric([], float(value))
+    return family
+
+
 def _histogram(name: str, doc: str, by_label: dict[str, list[float]], label: str,
                buckets: tuple[float, ...]) -> HistogramMetricFamily:
     family = HistogramMetricFamily(name, doc, labels=[label])
@@ -148,12 +156,10 @@ class FleetCollector(Collector):
         for state in SYNC_STATES:
             syncs.add_metric([state], counts["syncs"].get((state, ""), 0))
         yield syncs
-        if s["trainer_version"] is not None:
-            yield GaugeMetricFamily("pearl_trainer_weights_version", "The newest weights version the trainer "
-                                    "produced.", int(s["trainer_version"]))
-        if s["lag_max"] is not None:
-            yield GaugeMetricFamily("pearl_weights_lag_versions_max", "Versions the furthest-behind active worker "
-                                    "lags the trainer.", int(s["lag_max"]))
+        yield _gauge("pearl_trainer_weights_version", "The newest weights version the trainer produced.",
+                     s["trainer_version"])
+        yield _gauge("pearl_weights_lag_versions_max", "Versions the furthest-behind active worker lags the trainer.",
+                     s["lag_max"])
 
     @staticmethod
     def _makespan(s: Any) -> Iterator[Metric]:
@@ -164,11 +170,9 @@ class FleetCollector(Collector):
             if s[key] is not None:
                 predicted.add_metric([name], float(s[key]))
         yield predicted
-        if s["measured_s"] is not None:
-            yield GaugeMetricFamily("pearl_measured_makespan_seconds", "The last finished rollout step's "
-                                    "measured makespan (first report to last trajectory; model seconds, as the "
-                                    "predictions: wall seconds times the inventory's time_scale).",
-                                    float(s["measured_s"]))
+        yield _gauge("pearl_measured_makespan_seconds", "The last finished rollout step's measured makespan (first "
+                     "report to last trajectory; model seconds, as the predictions: wall seconds times the "
+                     "inventory's time_scale).", s["measured_s"])
 
 
 class DatabaseErrorsCollector(Collector):

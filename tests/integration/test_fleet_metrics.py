@@ -5,8 +5,10 @@ counted by kind."""
 from __future__ import annotations
 
 import json
+import re
 import time
 from datetime import UTC, datetime
+from pathlib import Path
 
 import pytest
 from metrics_support import check_conventions, scrape, value
@@ -21,6 +23,7 @@ from plan_support import import_cluster, propose, run_plan, small_inventory
 from sqlalchemy import Engine, text
 
 pytestmark = pytest.mark.integration
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_the_fleet_series_agree_with_status_and_a_plan_moves_them(db_engine: Engine) -> None:
@@ -126,3 +129,28 @@ def _wait_listed(engine: Engine, timeout_s: float = 10.0) -> list[dict]:
             return listed
         time.sleep(0.05)
     raise AssertionError("never listed")
+
+
+def _sample_names(families) -> set[str]:
+    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum"), "gauge": ("",)}
+    return {f.name + s for f in families for s in suffixes.get(f.type, ("",))}
+
+
+def test_the_grafana_dashboard_reads_only_series_pearl_serves(db_engine: Engine, tmp_path: Path) -> None:
+    """Every series docs/grafana-dashboard.json queries is one a pearl process serves."""
+    from pearl.agents.frontdoor_metrics import FrontDoorCollector
+    from pearl.agents.router import FrontDoor, FrontDoorConfig
+
+    import_cluster(db_engine, small_inventory())
+    families = [f for c in ("agent", "loop", "worker") for f in metrics.registry_for(c).collect()]
+    families += [*FleetCollector(db_engine).collect(), *DatabaseErrorsCollector().collect()]
+    families += FrontDoorCollector(FrontDoor(FrontDoorConfig(port=1, run_dir=str(tmp_path / "door")))).collect()
+    served = _sample_names(families)
+    board = json.loads((REPO / "docs" / "grafana-dashboard.json").read_text())
+    exprs = [t["expr"] for p in board["panels"] for t in p.get("targets", [])]
+    referenced = {name for e in exprs for name in re.findall(r"\bpearl_[a-z0-9_]+", e)}
+    assert len(exprs) >= 20 and referenced and referenced <= served, sorted(referenced - served)
+    titles = " ".join(p["title"] for p in board["panels"]).lower()
+    for what in ("gpus", "workers", "plan", "step", "policy", "decisions", "makespan", "borrow", "weight",
+                 "front door", "database errors"):
+        assert what in titles, what

@@ -74,3 +74,19 @@ def test_run_title_and_axis_say_what_is_counted(results) -> None:
     assert "generated + trained tokens of completed training steps" in top.get_title()
     assert top.get_ylabel() == "generated tokens/s"
     assert fig.axes[1].get_xlabel() == "simulated minutes"
+
+
+def test_over_several_seeds_the_bars_are_means_with_their_intervals(results) -> None:
+    intervals = {"roll": (1000.0, 900.0, 1150.0), "rlboost-plus": (1500.0, 1400.0, 1600.0),
+                 "pearl": (2500.0, 2300.0, 2700.0)}
+    fig = comparison_figure(results, intervals, [1, 2, 3])
+    bars = fig.axes[0]
+    assert "95% intervals" in bars.get_title() and "1, 2, 3" in bars.get_title()
+    widths = [p.get_width() for p in bars.patches]
+    assert widths == [2500.0, 1500.0, 1000.0]  # the means, pearl on top
+    (errors,) = [c for c in bars.containers if hasattr(c, "has_xerr") and c.has_xerr]
+    segments = errors.lines[2][0].get_segments()  # one horizontal segment per bar: low to high
+    assert sorted((round(s[0][0]), round(s[1][0])) for s in segments) == [(900, 1150), (1400, 1600), (2300, 2700)]
+    labels = [t.get_text() for t in bars.texts]
+    assert "2,500 [2,300, 2,700]" in labels
+    assert any("(seed 1)" in ax.get_title() for ax in fig.axes[1:])
