@@ -76,8 +76,12 @@ class AgentConfig:
 
 class Agent:
     def __init__(self, engine: Any, config: AgentConfig, driver: Driver, *,
-                 client: Callable[[str, int | None], ServerAPI], front_door: Callable[[], FrontDoorAPI]) -> None:
+                 client: Callable[[str, int | None], ServerAPI], front_door: Callable[[], FrontDoorAPI],
+                 reaper_engine: Any = ...) -> None:
         self.engine = engine
+        # the reaper's passes change every node's rows: under per-component roles they run on an engine
+        # of the policy role (controlplane/store/roles.py); None: this agent does not reap
+        self.reaper_engine = engine if reaper_engine is ... else reaper_engine
         self.config = config
         self.driver = driver
         self.client = client
@@ -202,8 +206,10 @@ class Agent:
 
     def _reap(self) -> None:
         c = self.config
-        if agent_registry.hold_leader_lease(self.engine, "reaper", self.holder, ttl_s=3 * c.reap_every_s):
-            report = reaper.reap(self.engine, max_attempts=c.max_attempts, agent_timeout_s=c.agent_timeout_s,
+        if self.reaper_engine is None:
+            return
+        if agent_registry.hold_leader_lease(self.reaper_engine, "reaper", self.holder, ttl_s=3 * c.reap_every_s):
+            report = reaper.reap(self.reaper_engine, max_attempts=c.max_attempts, agent_timeout_s=c.agent_timeout_s,
                                  actor=f"reaper in agent {c.node}")
             if not report.empty:
                 metrics.RESCUES.inc(len(report.rescued))

@@ -39,7 +39,7 @@ def engine() -> Any:
     global _engine
     with _engine_lock:
         if _engine is None:
-            _engine = make_engine()
+            _engine = make_engine(component="policy")
         return _engine
 
 

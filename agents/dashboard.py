@@ -31,9 +31,10 @@ def page() -> str:
     return files("pearl.agents").joinpath("dashboard.html").read_text(encoding="utf-8")
 
 
-def build_app(read_state: Callable[[], dict[str, Any]], token: str | None) -> web.Application:
+def build_app(read_state: Callable[[], dict[str, Any]], token: str | Callable[[str], bool] | None) -> web.Application:
     """The dashboard's routes over `read_state` (a blocking read, run in a thread); with `token`, every
-    request must bear it."""
+    request must bear it (`token` is the token, or a blocking check of what a request offers: the audit
+    role reads no token, it asks the database whether one matches)."""
     html = page().replace("__REFRESH_MS__", str(int(REFRESH_S * 1000)))
 
     @web.middleware
@@ -41,7 +42,11 @@ def build_app(read_state: Callable[[], dict[str, Any]], token: str | None) -> we
         if token is not None:
             given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip() \
                 or request.query.get("token", "")
-            if not hmac.compare_digest(given.encode(), token.encode()):
+            if callable(token):
+                ok = bool(given) and await asyncio.to_thread(token, given)
+            else:
+                ok = hmac.compare_digest(given.encode(), token.encode())
+            if not ok:
                 return web.json_response({"error": "the control token is required"}, status=401)
         return await handler(request)
 

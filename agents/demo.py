@@ -46,7 +46,7 @@ from pearl.controlplane.core.inventory import Inventory, InventoryNode, RolloutL
 from pearl.controlplane.errors import PearlError
 from pearl.controlplane.services import embedded
 from pearl.controlplane.services.settings import Settings, get_settings, redact_url
-from pearl.controlplane.store import invariants
+from pearl.controlplane.store import invariants, roles
 from pearl.controlplane.store.db import make_engine, recreate_database, transaction, upgrade
 from pearl.controlplane.store.fleet_status import activity_timeline, read_fleet_status, run_summary
 from pearl.controlplane.store.inventory_import import import_inventory
@@ -185,6 +185,10 @@ class Demo:
             with transaction(engine, actor="pearlctl demo", reason="demo inventory") as session:
                 import_inventory(session, inventory_for(sc, self.cfg.speed))
             env = {"PEARL_DATABASE_URL": database, "PEARL_HOME": str(self.home), "PEARL_BROKER_URL": broker}
+            if roles.mode() == "component":  # the embedded default: each process as its component's role
+                env["PEARL_DATABASE_ROLES"] = "component"
+                for node in inventory_for(sc, self.cfg.speed).nodes:
+                    roles.ensure_node_role(engine, node.name)
             self.fleet = fleet = LocalFleet(self.run_dir, env, metrics=True)
             port = free_port()
             fleet.start_front_door(port)

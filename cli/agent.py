@@ -53,6 +53,10 @@ def agent(
                                          "crashed: out of service, its GPUs free.")] = 10.0,
     json_logs: Annotated[bool, typer.Option("--json-logs", help="One JSON object per log line.")] = False,
     metrics_port: MetricsPort = None,
+    reap: Annotated[bool, typer.Option(
+        "--reap/--no-reap", help="Run the reaper's passes while this agent leads them (under per-component "
+                                 "database roles they connect as the policy role; --no-reap keeps this agent "
+                                 "to its node's role, and `pearlctl reap` from cron does it).")] = True,
 ) -> None:
     """Claim this node's plan steps and enact them through the driver; stops cleanly on SIGTERM (the
     steps in hand finish or are handed back) and loses nothing on SIGKILL (their leases expire and the
@@ -61,7 +65,7 @@ def agent(
     from pearl.agents.drivers import DRIVERS, make_driver
     from pearl.controlplane.core.inventory import check_node_name
     from pearl.controlplane.services.settings import get_settings
-    from pearl.controlplane.store.db import make_engine, require_schema
+    from pearl.controlplane.store.db import require_schema
     from pearl.controlplane.store.secrets import control_token
 
     check_node_name("--node", node)
@@ -70,7 +74,7 @@ def agent(
     if transfer_backend not in TRANSFER_BACKENDS:
         raise BadInput(f"--transfer-backend: one of {', '.join(TRANSFER_BACKENDS)}, not {transfer_backend!r}")
     setup_logging(json_logs)
-    engine = make_engine()
+    engine, reaper_engine = _engines(node, reap)
     stop_metrics = lambda: None  # noqa: E731
     try:
         require_schema(engine)
@@ -90,7 +94,7 @@ def agent(
         the_agent = Agent(engine, AgentConfig(node=node, driver=driver, lease_s=lease, poll_s=poll,
                                               max_steps=max_steps, crash_after_s=crash_after),
                           the_driver, client=lambda endpoint, fence: _client(endpoint, fence, token),
-                          front_door=lambda: _front_door(engine, token))
+                          front_door=lambda: _front_door(engine, token), reaper_engine=reaper_engine)
         handlers = {sig: signal.signal(sig, lambda *_: the_agent.stop()) for sig in (signal.SIGTERM, signal.SIGINT)}
         try:
             the_agent.run()
@@ -100,6 +104,28 @@ def agent(
     finally:
         stop_metrics()
         engine.dispose()
+        if reaper_engine is not None and reaper_engine is not engine:
+            reaper_engine.dispose()
+
+
+def _engines(node: str, reap: bool) -> tuple[Any, Any]:
+    """The agent's engine, as its node's role under per-component roles (created first on the embedded
+    server, whose superuser may), and the reaper's: the policy role's, the same engine, or none."""
+    from pearl.controlplane.services.settings import get_settings
+    from pearl.controlplane.store import roles
+    from pearl.controlplane.store.db import make_engine
+
+    if roles.mode() == "url":
+        engine = make_engine()
+        return engine, engine if reap else None
+    if not get_settings().database_url:
+        owner = make_engine()
+        try:
+            roles.ensure_node_role(owner, node)
+        finally:
+            owner.dispose()
+    engine = make_engine(component="agent", node=node)
+    return engine, make_engine(component="policy") if reap else None
 
 
 def _client(endpoint: str, fence: int, token: str) -> Any:

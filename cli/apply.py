@@ -46,7 +46,7 @@ def apply_command(
     from pearl.controlplane.store.db import make_engine, require_schema, transaction
     from pearl.controlplane.store.plan_store import apply, plan_summary, wait_plan
 
-    engine = make_engine()
+    engine = make_engine(component="policy")
     try:
         require_schema(engine)
         applied = apply(engine, plan_id)
@@ -83,7 +83,7 @@ def _abort(plan_id: int, as_json: bool) -> None:
     from pearl.controlplane.store.db import make_engine, require_schema, transaction
     from pearl.controlplane.store.plan_store import abort, plan_summary
 
-    engine = make_engine()
+    engine = make_engine(component="policy")
     try:
         require_schema(engine)
         progress = abort(engine, plan_id)

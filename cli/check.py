@@ -20,7 +20,7 @@ def check(as_json: Annotated[bool, typer.Option("--json", help="Print one JSON o
     from pearl.controlplane.store import invariants
     from pearl.controlplane.store.db import make_engine, require_schema
 
-    engine = make_engine()
+    engine = make_engine(component="audit")
     try:
         require_schema(engine)
         report = invariants.check(engine)

@@ -30,12 +30,12 @@ def dashboard(
     from pearl.agents.dashboard import LOOPBACK, build_app, serve
     from pearl.controlplane.store.dashboard import read_dashboard_state
     from pearl.controlplane.store.db import make_engine, require_schema
-    from pearl.controlplane.store.secrets import control_token
+    from pearl.controlplane.store.secrets import token_matches
 
-    engine = make_engine()
+    engine = make_engine(component="audit")
     try:
         require_schema(engine)
-        token = None if host in LOOPBACK else control_token(engine)
+        token = None if host in LOOPBACK else (lambda offered: token_matches(engine, offered))
         app = build_app(lambda: read_dashboard_state(engine), token)
         stop = asyncio.Event()
 

@@ -1,4 +1,4 @@
-"""`pearlctl db url|start|stop|status`: the database and broker pearl uses.
+"""`pearlctl db url|start|stop|status|roles`: the database and broker pearl uses, and its database roles.
 
 With `PEARL_DATABASE_URL` / `PEARL_BROKER_URL` unset these are embedded servers under `PEARL_HOME`,
 started on first use and left running for the next invocation; `db stop` stops them.
@@ -90,3 +90,37 @@ def status(as_json: JsonOption = False) -> None:
 
     settings = get_settings()
     _render([postgres_status(settings), redis_status(settings)], as_json)
+
+
+@db_app.command("roles")
+@handle_errors
+def roles_command(
+    node: Annotated[list[str] | None, typer.Option("--node", help="Create this node's agent role (repeat); "
+                                                                  "default: every node of the inventory.")] = None,
+    as_json: JsonOption = False,
+) -> None:
+    """Create the agents' database roles (one login per node, in pearl_agent) and list the role each
+    component connects as under PEARL_DATABASE_ROLES=component. Run as the owner (the URL's user),
+    after `pearlctl cluster import`; give each login a password on a managed server."""
+    from pearl.controlplane.core.inventory import check_node_name
+    from pearl.controlplane.store import roles
+    from pearl.controlplane.store.db import make_engine, require_schema
+
+    engine = make_engine()
+    try:
+        require_schema(engine)
+        known = roles.node_names(engine)
+        for name in node or []:
+            check_node_name("--node", name)
+        made = {name: roles.ensure_node_role(engine, name) for name in (node or known)}
+    finally:
+        engine.dispose()
+    listing = {"components": {c: roles.role_for(c) if c != "agent" else None for c in roles.COMPONENTS
+                              if c not in ("owner", "agent")}, "agents": made}
+    if as_json:
+        emit_json(listing)
+        return
+    for component, role in listing["components"].items():
+        out.print(f"{component:10s} {role}", highlight=False)
+    for name, role in made.items():
+        out.print(f"agent      {role}  (node {name})", highlight=False)

@@ -41,7 +41,7 @@ def telemetry(
     step = load_telemetry(file)  # bad telemetry is refused before the database is touched
     if makespan_s is not None and not (math.isfinite(makespan_s) and makespan_s > 0):
         raise BadInput(f"--makespan-s: must be a finite number > 0, got {makespan_s}")
-    engine = make_engine()
+    engine = make_engine(component="policy")
     try:
         require_schema(engine)
         result = ingest_telemetry(engine, step, makespan_s=makespan_s, actor="pearlctl event telemetry")

@@ -73,7 +73,7 @@ def plan_command(
     from pearl.controlplane.store.plan_store import PlanNotApplicable, applying_plan
     from pearl.policies.live.policy_pass import plan, written_plan
 
-    engine = make_engine()
+    engine = make_engine(component="policy")
     try:
         require_schema(engine)
         busy = None if dry_run else applying_plan(engine)

@@ -29,7 +29,7 @@ def tick_command(
     from pearl.controlplane.store.db import make_engine, require_schema
     from pearl.policies.live.tick import tick
 
-    engine = make_engine()
+    engine = make_engine(component="policy")
     try:
         require_schema(engine)
         result = tick(engine, manual=manual)
@@ -60,7 +60,7 @@ def loop_command(
     setup_logging(json_logs)
     from pearl.controlplane.store.db import make_engine, require_schema
 
-    engine = make_engine()
+    engine = make_engine(component="policy")
     stop_metrics = lambda: None  # noqa: E731
     try:
         require_schema(engine)

@@ -59,7 +59,7 @@ def profile(
                        max_batch=max_batch or d_batch, context_tokens=context or d_context,
                        chunk_tokens=chunk or d_chunk, repeats=repeats or d_repeats)
     key = ProfileKey(model, gpu or "cpu", tp, device)
-    engine = make_engine()
+    engine = make_engine(component="policy")
     try:
         require_schema(engine)  # before minutes of timing, not after
         with err.status(f"timing {model} kernels on {device}", spinner="dots") as status:

@@ -29,7 +29,7 @@ def reap(
     from pearl.controlplane.store import reaper
     from pearl.controlplane.store.db import make_engine, require_schema
 
-    engine = make_engine()
+    engine = make_engine(component="policy")
     try:
         require_schema(engine)
         report = reaper.reap(engine, max_attempts=max_attempts, agent_timeout_s=agent_timeout,

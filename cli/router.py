@@ -72,7 +72,7 @@ def serve(
         from pearl.controlplane.store.routers import recorded_mode
         from pearl.controlplane.store.secrets import control_token
 
-        engine = make_engine()
+        engine = make_engine(component="frontdoor")
         require_schema(engine)
         token = control_token(engine)
         if mode is None:  # a front door started again on a new run directory serves the fleet's mode
@@ -211,7 +211,7 @@ def state(
         from pearl.controlplane.store.db import make_engine, require_schema
         from pearl.controlplane.store.routers import front_door
 
-        engine = make_engine()
+        engine = make_engine(component="frontdoor")
     try:
         if engine is not None:
             require_schema(engine)

@@ -181,7 +181,7 @@ def status(
     from pearl.controlplane.store.db import make_engine, require_schema
     from pearl.controlplane.store.fleet_status import read_fleet_status
 
-    engine = make_engine()
+    engine = make_engine(component="audit")
     try:
         require_schema(engine)
         if as_json:

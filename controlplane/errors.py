@@ -46,3 +46,7 @@ class StepFailed(PearlError):
 
 class ClaimLost(PearlError):
     """The step is no longer running under that fence: the claim expired or another agent took it."""
+
+
+class NotPermitted(PearlError):
+    """The database role this process connects as may not do that (SQLSTATE 42501)."""

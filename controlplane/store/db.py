@@ -21,6 +21,7 @@ from pearl.controlplane.errors import (
     DatabaseBusy,
     DatabaseUnavailable,
     IllegalTransition,
+    NotPermitted,
     PearlError,
 )
 from pearl.controlplane.services.embedded import database_url
@@ -73,7 +74,7 @@ STATE_CONSTRAINTS = frozenset({
 DATABASE_ERRORS: Counter[str] = Counter()
 _ERRORS_LOCK = threading.Lock()
 _KINDS = {"57014": "statement_cancelled", "40P01": "deadlock", "40001": "serialization_failure",
-          "55P03": "lock_not_available", "25P03": "idle_in_transaction_timeout",
+          "55P03": "lock_not_available", "25P03": "idle_in_transaction_timeout", "42501": "not_permitted",
           ILLEGAL_TRANSITION: "illegal_transition", INVARIANT_VIOLATION: "illegal_transition",
           STALE_FENCE: "stale_fence", BAD_EVENT: "bad_input", APPEND_ONLY: "append_only", "23514": "check_violation"}
 ERROR_KINDS = (*sorted(set(_KINDS.values())), "connection", "other")
@@ -139,10 +140,14 @@ def connect_args(url: str) -> dict[str, Any]:
     return args
 
 
-def make_engine(url: str | None = None, **kwargs) -> Engine:
+def make_engine(url: str | None = None, *, component: str | None = None, node: str | None = None,
+                **kwargs) -> Engine:
     """An engine on `url` (default: the configured or embedded database), psycopg 3 driver, with
-    `connect_args` (timeouts and keepalives)."""
-    url = url or database_url()
+    `connect_args` (timeouts and keepalives), logged in as `component`'s role (`roles.login_url`;
+    None: the URL's user)."""
+    from pearl.controlplane.store.roles import login_url
+
+    url = login_url(url or database_url(), component, node)
     args = {**connect_args(str(url)), **kwargs.pop("connect_args", {})}
     return create_engine(url, pool_pre_ping=True, connect_args=args, **kwargs)
 
@@ -176,6 +181,8 @@ def translate(exc: DBAPIError, engine: Engine | None = None) -> PearlError | Non
             return BadInput(f"{EVENT_CONSTRAINTS[name]} (refused by {name})")
         message = f"refused by constraint {name}: {diag.message_primary if diag else orig}"
         return IllegalTransition(message) if name in STATE_CONSTRAINTS else PearlError(message)
+    if state == "42501":  # insufficient_privilege: this component's role (roles.py) may not do it
+        return NotPermitted(diag.message_primary if diag else str(orig).strip())
     if state in RETRYABLE_STATES:
         return DatabaseBusy(f"the database gave up on the statement ({state}): "
                             f"{diag.message_primary if diag else str(orig).strip()}")

@@ -118,6 +118,16 @@ class Node(Base):
     created_at: Mapped[datetime] = mapped_column(TS, server_default=NOW)
 
 
+class NodeRole(Base):
+    """The database login of a node's agent (0012): its writes are kept to this node's rows."""
+
+    __tablename__ = "node_roles"
+
+    role_name: Mapped[str] = mapped_column(Text, primary_key=True)
+    node_id: Mapped[int] = mapped_column(ForeignKey("nodes.id", ondelete="CASCADE"), unique=True)
+    created_at: Mapped[datetime] = mapped_column(TS, server_default=NOW)
+
+
 class Worker(Base):
     """A stable worker slot: `tp` GPUs on one node, for its lifetime (ids are never renumbered)."""
 
@@ -577,3 +587,4 @@ class Event(Base):
     new: Mapped[dict[str, Any] | None] = mapped_column(JSONB)  # the row after (insert, update)
     actor: Mapped[str | None] = mapped_column(Text)  # SET LOCAL pearl.actor
     reason: Mapped[str | None] = mapped_column(Text)  # SET LOCAL pearl.reason
+    db_user: Mapped[str] = mapped_column(Text, server_default=text("session_user"))  # the login that wrote it (0012)

@@ -93,22 +93,15 @@ def borrowed_gpus(session: Session) -> tuple[int, ...]:
 
 
 def start_training_if_returned(session: Session) -> int | None:
-    """Start the requested training step once no training GPU is borrowed or draining; its step number."""
+    """Start the requested training step once no training GPU is borrowed or draining; its step number.
+    The agent whose release returned the last borrowed GPU starts it, through the owner's function
+    (`pearl_start_training_if_returned`, 0012): no agent writes GPUs of another node itself."""
     lock_fleet(session)
-    waiting = session.scalars(select(TrainingStep).where(
-        TrainingStep.requested_at.is_not(None), TrainingStep.started_at.is_(None), TrainingStep.ended_at.is_(None))
-        .order_by(TrainingStep.step.desc()).limit(1).execution_options(populate_existing=True)).first()
-    if waiting is None or borrowed_gpus(session):
-        return None
-    now = _now(session)
-    late = session.scalar(select(func.max(Lease.late_s)).where(Lease.training_step == waiting.step)) or 0.0
-    waiting.started_at = now
-    waiting.late_s = (now - waiting.requested_at).total_seconds() if late > 0 else 0.0
-    free = session.scalars(select(GPU.id).where(GPU.zone == NodeZone.TRAINING, GPU.state == GPUState.FREE)).all()
-    if free:
-        set_gpu_states(session, free, [GPUState.FREE], GPUState.TRAINING)
-    session.flush()
-    return waiting.step
+    started = session.scalar(select(func.pearl_start_training_if_returned()))
+    for obj in list(session.identity_map.values()):  # the function wrote these rows behind the session
+        if isinstance(obj, (TrainingStep, GPU)):
+            session.expire(obj)
+    return started
 
 
 def end_training(session: Session, step: int, *, weights_version: int | None = None,

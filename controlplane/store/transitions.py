@@ -15,8 +15,8 @@ from collections.abc import Iterable
 
 from pearl.controlplane.core.domain import Activity, GPUState, NodeZone, Role, WorkerZone
 from pearl.controlplane.errors import PearlError
-from pearl.controlplane.store.schema import GPU, Fleet, GPUTransition, Worker, WorkerTransition
-from sqlalchemy import select, update
+from pearl.controlplane.store.schema import GPU, GPUTransition, Worker, WorkerTransition
+from sqlalchemy import func, select, text, update
 from sqlalchemy.orm import Session
 
 
@@ -38,7 +38,7 @@ def lock_fleet(session: Session) -> int:
     tx = session.get_transaction()
     if tx is not None and session.info.get("fleet_locked_by") is tx:
         return session.info["fleet_version"]
-    version = session.execute(select(Fleet.state_version).where(Fleet.id == 1).with_for_update()).scalar_one()
+    version = session.execute(select(func.pearl_take_fleet())).scalar_one()  # as the owner: no role writes it
     session.info["fleet_locked_by"], session.info["fleet_version"] = tx, version
     return version
 
@@ -90,19 +90,10 @@ def start_worker(session: Session, worker_id: int, role: Role, *, endpoint: str 
     worker = _worker(session, worker_id)
     hold = GPUState.BORROWED if worker.zone is WorkerZone.OVERLAP else GPUState.BOUND
     slot = session.scalars(select(GPU.id).where(GPU.slot_id == worker_id)).all()
-    taken = (
-        session.execute(
-            update(GPU)
-            .where(GPU.slot_id == worker_id, GPU.state == GPUState.FREE, GPU.worker_id.is_(None))
-            .values(state=hold, worker_id=worker_id)
-            .returning(GPU.id)
-            .execution_options(synchronize_session=False)
-        )
-        .scalars()
-        .all()
-    )
-    if not slot or len(taken) != len(slot):
-        raise StateConflict(f"worker {worker_id}: {len(taken)} of its {len(slot)} GPU(s) were free to take")
+    taken = session.scalar(text("SELECT pearl_hold_slot(:w, CAST(:hold AS gpu_state))"),  # GPUs change in functions
+                           {"w": worker_id, "hold": hold.value})
+    if not slot or taken != len(slot):
+        raise StateConflict(f"worker {worker_id}: {taken} of its {len(slot)} GPU(s) were free to take")
     moved = (
         session.execute(
             update(Worker)
@@ -132,12 +123,7 @@ def begin_release(session: Session, worker_id: int) -> None:
         _cas_activity(session, worker_id, Activity.ACTIVE, Activity.TRANSITIONING)
     elif worker.activity is not Activity.TRANSITIONING:
         raise StateConflict(f"worker {worker_id} is {worker.activity}; nothing to release")
-    session.execute(
-        update(GPU)
-        .where(GPU.worker_id == worker_id, GPU.state.in_([GPUState.BOUND, GPUState.BORROWED]))
-        .values(state=GPUState.DRAINING)
-        .execution_options(synchronize_session=False)
-    )
+    session.execute(select(func.pearl_drain_held(worker_id)))
 
 
 def finish_release(session: Session, worker_id: int) -> None:
@@ -148,12 +134,7 @@ def finish_release(session: Session, worker_id: int) -> None:
     not_drained = [g.id for g in held if g.state is not GPUState.DRAINING]
     if not_drained:
         raise StateConflict(f"worker {worker_id}: gpus {not_drained} are not draining; call begin_release first")
-    session.execute(
-        update(GPU)
-        .where(GPU.worker_id == worker_id)
-        .values(state=GPUState.FREE, worker_id=None)
-        .execution_options(synchronize_session=False)
-    )
+    session.execute(select(func.pearl_free_held(worker_id)))
     values: dict[str, object] = {"activity": Activity.INACTIVE, "endpoint": None}
     if worker.zone is WorkerZone.OVERLAP:
         values["role"] = Role.TRAINING
