@@ -79,6 +79,7 @@ class DemoConfig:
     simulate: bool = True  # run the simulator beside (the `systems` and `simulated_tokens_per_s`)
     steps: int | None = None  # end the run after this many training steps (then no simulator beside)
     loop_interval_s: float = 1.0
+    overrides: tuple[str, ...] = ()  # `KEY=VALUE` changes to the scenario (as `sim compare --set`)
     settings: Settings = field(default_factory=get_settings)
 
 
@@ -171,7 +172,7 @@ class Demo:
                 signal.signal(sig, handler)
 
     def _run(self) -> DemoRun:
-        sc = load_scenario(self.cfg.scenario)
+        sc = load_scenario(self.cfg.scenario, list(self.cfg.overrides))
         duration = self.cfg.duration_s if self.cfg.duration_s is not None else sc.duration_s
         sc = sc.model_copy(update={"duration_s": duration})
         engine = None
@@ -184,7 +185,8 @@ class Demo:
             upgrade(engine)
             with transaction(engine, actor="pearlctl demo", reason="demo inventory") as session:
                 import_inventory(session, inventory_for(sc, self.cfg.speed))
-            env = {"PEARL_DATABASE_URL": database, "PEARL_HOME": str(self.home), "PEARL_BROKER_URL": broker}
+            fleet_database = self._fleet_database_url(database)
+            env = {"PEARL_DATABASE_URL": fleet_database, "PEARL_HOME": str(self.home), "PEARL_BROKER_URL": broker}
             if roles.mode() == "component":  # the embedded default: each process as its component's role
                 env["PEARL_DATABASE_ROLES"] = "component"
                 for node in inventory_for(sc, self.cfg.speed).nodes:
@@ -203,12 +205,12 @@ class Demo:
                         "--weight-load-s", repr(sc.training.weight_sync_s))
             nodes = [n.name for n in inventory_for(sc, self.cfg.speed).nodes]
             for node in nodes:
-                fleet.start_agent(node, speed=self.cfg.speed, sim_args=sim_args)
+                fleet.start_agent(node, speed=self.cfg.speed, sim_args=sim_args, env=self._agent_env(node))
                 fleet.start_worker(node)
             if self.cfg.simulate and self.cfg.steps is None:  # the simulator's window is the duration
                 sim = self._simulate(duration)
             self._wait_ready(engine, len(nodes))
-            cp = ControlPlane(engine=engine, broker_url=broker)
+            cp = ControlPlane(engine=self._trainer_engine(engine, fleet_database), broker_url=broker)
             spot = NODES[NodeZone.PREEMPTIBLE] if NODES[NodeZone.PREEMPTIBLE] in nodes else None
             self.trainer = TrainerEmulator(sc, cp, f"http://127.0.0.1:{port}", speed=self.cfg.speed,
                                            snapshot_dir=self.run_dir / "snapshots", preemptible_node=spot,
@@ -251,6 +253,18 @@ class Demo:
         }
         return DemoRun(out, database, self.run_dir, died, tuple(killed or ()), activity, list(stats.timeline),
                        stats.started_at)
+
+    def _fleet_database_url(self, database: str) -> str:
+        """The database URL the fleet's processes are given (the demo's own; a fault run's proxy)."""
+        return database
+
+    def _trainer_engine(self, engine: Any, fleet_database: str) -> Any:
+        """The engine the trainer reports through (the demo's own; a partition's, through its proxy)."""
+        return engine
+
+    def _agent_env(self, node: str) -> dict[str, str]:
+        """What a node's agent adds to the fleet's environment (nothing; a fault run's skewed clock)."""
+        return {}
 
     def _wait_ready(self, engine: Any, agents: int, timeout_s: float = 90.0) -> None:
         deadline = time.monotonic() + timeout_s

@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from pearl.agents.drivers import make_driver
@@ -32,6 +32,8 @@ class Proc:
     name: str  # "agent roll-0", "front door", "loop", ...
     popen: subprocess.Popen
     log: Path
+    argv: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)  # on top of the fleet's
 
     def alive(self) -> bool:
         return self.popen.poll() is None
@@ -55,14 +57,24 @@ class LocalFleet:
 
     # -- starting ------------------------------------------------------------------------------------
 
-    def _start(self, name: str, argv: list[str]) -> Proc:
+    def _start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Proc:
         log = self.run_dir / (name.replace(" ", "-") + ".log")
+        full = {**self.env, **(env or {})}
         with log.open("ab") as out:
-            popen = subprocess.Popen(argv, env=self.env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+            popen = subprocess.Popen(argv, env=full, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                      start_new_session=True, cwd=self.run_dir)
-        proc = Proc(name, popen, log)
+        proc = Proc(name, popen, log, argv, env or {})
         self.procs.append(proc)
         return proc
+
+    def restart(self, proc: Proc) -> Proc:
+        """Start `proc` again with the same command line and environment (as a supervisor would once it
+        exited); the new process takes its place."""
+        self.procs.remove(proc)
+        return self._start(proc.name, proc.argv, proc.env)
+
+    def named(self, name: str) -> Proc:
+        return next(p for p in self.procs if p.name == name)
 
     def start_front_door(self, port: int, mode: str = "colocated") -> Proc:
         return self._start("front door", [sys.executable, "-m", MODULE["router"], "serve", "--port", str(port),
@@ -70,13 +82,13 @@ class LocalFleet:
                                           "--register", *self.metrics])
 
     def start_agent(self, node: str, *, speed: float, sim_args: Iterable[str] = (), lease_s: float = 10.0,
-                    poll_s: float = 0.2, crash_after_s: float = 10.0) -> Proc:
+                    poll_s: float = 0.2, crash_after_s: float = 10.0, env: dict[str, str] | None = None) -> Proc:
         self.nodes.append(node)
         return self._start(f"agent {node}", [self.pearlctl, "agent", "--node", node, "--driver", "sim",
                                             "--speed", repr(speed), "--sim-args", " ".join(sim_args),
                                             "--run-dir", str(self.run_dir / "servers" / node),
                                             "--lease-s", repr(lease_s), "--poll-s", repr(poll_s),
-                                            "--crash-after-s", repr(crash_after_s), *self.metrics])
+                                            "--crash-after-s", repr(crash_after_s), *self.metrics], env)
 
     def start_dashboard(self, port: int) -> Proc:
         return self._start("dashboard", [self.pearlctl, "dashboard", "--port", str(port)])

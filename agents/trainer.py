@@ -46,7 +46,7 @@ from typing import Any
 import aiohttp
 from pearl.controlplane.api import ControlPlane
 from pearl.controlplane.core.telemetry import StepTelemetry
-from pearl.controlplane.errors import BadInput
+from pearl.controlplane.errors import BadInput, DatabaseUnavailable
 from pearl.controlplane.weights import write_demo_snapshot
 from pearl.sim.availability import availability_changes
 from pearl.sim.metrics import step_rates
@@ -56,6 +56,7 @@ from pearl.sim.trajectories import Trajectory, sample_batch
 log = logging.getLogger("pearl.trainer")
 
 VOCAB = 50000
+REPORT_RETRY_S = 120.0  # how long a report to the control plane is tried again while the database is away
 
 
 def generate_body(ids: list[int], max_new_tokens: int, rid: str) -> dict:
@@ -74,6 +75,8 @@ class TrainerStats:
     requests: int = 0  # /generate answered
     failed_requests: int = 0  # /generate that failed for good
     resubmitted: int = 0  # answers the front door completed after interruptions
+    retried: int = 0  # requests answered after the trainer sent them again (the front door did not answer)
+    report_retries: int = 0  # reports to the control plane sent again while the database was away
     generated_tokens: int = 0
     trained_tokens: int = 0  # the metric's tokens of trained batches (generated + all)
     training_wait_s: float = 0.0  # how long training waited for borrowed GPUs, in total (wall)
@@ -160,6 +163,20 @@ class TrainerEmulator:
                     log.warning("trainer task failed: %s", r)
         return self.stats
 
+    async def _report(self, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """A report to the control plane, tried again (as a framework would) while the database does not
+        answer, for up to `REPORT_RETRY_S` of wall time (a restart or a failover of PostgreSQL)."""
+        give_up = time.monotonic() + REPORT_RETRY_S
+        while True:
+            try:
+                return await asyncio.to_thread(call, *args, **kwargs)
+            except DatabaseUnavailable as exc:  # DatabaseBusy included: nothing was kept, try again
+                if time.monotonic() >= give_up or self._stop.is_set():
+                    raise
+                self.stats.report_retries += 1
+                log.info("%s: the database did not take the report, retrying: %s", call.__name__, exc)
+                await asyncio.sleep(0.5)
+
     async def _sleep_model(self, seconds: float) -> None:
         await asyncio.sleep(max(0.0, seconds) / self.speed)
 
@@ -231,9 +248,9 @@ class TrainerEmulator:
             while self._reported < self._batches_done:
                 k = self._reported
                 batch = self._batches.pop(k)
-                await asyncio.to_thread(self.cp.rollout_progress, k, size, size, in_flight=self.stats.in_flight)
+                await self._report(self.cp.rollout_progress, k, size, size, in_flight=self.stats.in_flight)
                 telemetry = StepTelemetry(step=k, batch_size=size, trajectories=[t.record() for t in batch])
-                await asyncio.to_thread(self.cp.telemetry, telemetry.model_dump(mode="json"))
+                await self._report(self.cp.telemetry, telemetry.model_dump(mode="json"))
                 async with self._changed:
                     self._reported = k + 1
                     self._changed.notify_all()
@@ -241,7 +258,7 @@ class TrainerEmulator:
             if k < self._created:
                 finished = self._finished[k]
                 self.stats.rollout = (k, finished, size)
-                await asyncio.to_thread(self.cp.rollout_progress, k, finished, size, in_flight=self.stats.in_flight)
+                await self._report(self.cp.rollout_progress, k, finished, size, in_flight=self.stats.in_flight)
 
     async def _trajectory(self, http: aiohttp.ClientSession, traj: Trajectory) -> None:
         rng = random.Random(traj.group)  # a group's members share their prompt, so its cached prefix
@@ -271,6 +288,8 @@ class TrainerEmulator:
                         meta = answer.get("meta_info") or {}
                         if (meta.get("pearl") or {}).get("resubmitted"):
                             self.stats.resubmitted += 1
+                        if attempt > 1:
+                            self.stats.retried += 1
                         self.stats.requests += 1
                         out = answer.get("output_ids") or []
                         return list(out)[:gen] if len(out) >= gen else list(out) + [0] * (gen - len(out))
@@ -297,13 +316,13 @@ class TrainerEmulator:
                 await self._changed.wait_for(lambda k=k: self._reported > k)
             self.stats.training = "waiting"
             t0 = time.monotonic()
-            await asyncio.to_thread(self.cp.training_begin, k, wait_s=3600.0)
+            await self._report(self.cp.training_begin, k, wait_s=3600.0)
             self.stats.training_wait_s += time.monotonic() - t0
             self.stats.training = "training"
             await self._sleep_model(self.sc.training.step_s)
             version = k + 1
             uri = await asyncio.to_thread(self.write_snapshot, self.snapshot_dir / f"v{version}", version)
-            await asyncio.to_thread(self.cp.training_end, k, weights_version=version, snapshot=uri)
+            await self._report(self.cp.training_end, k, weights_version=version, snapshot=uri)
             tokens = self._tokens.pop(k, 0)
             self.stats.trained_tokens += tokens
             self.stats.training_steps += 1
@@ -337,11 +356,11 @@ class TrainerEmulator:
             await self._sleep_model(change.t - self.model_s())
             if change.granted:
                 devices = [d for w in change.granted for d in range(w * tp, (w + 1) * tp)]
-                await asyncio.to_thread(self.cp.gpus_granted, self.preemptible_node, devices)
+                await self._report(self.cp.gpus_granted, self.preemptible_node, devices)
                 self.stats.grants += 1
             if change.revoked:
                 devices = [d for w in change.revoked for d in range(w * tp, (w + 1) * tp)]
-                await asyncio.to_thread(self.cp.gpus_revoked, self.preemptible_node, devices,
+                await self._report(self.cp.gpus_revoked, self.preemptible_node, devices,
                                         notice_s=notice / self.speed)
                 self.stats.revocations += 1
         await self._stop.wait()  # the trace is over, not the run: ending here would end it early

@@ -310,8 +310,11 @@ def revoke_gpus(session: Session, node: str, devices: list[int] | None = None, n
     lock_fleet(session)
     _, gpus = _node_gpus(session, node, devices)
     ours = [g for g in gpus if g.state in (GPUState.FREE, GPUState.BOUND, GPUState.DRAINING)]
-    if devices is not None and len(ours) != len(gpus):
-        raise BadInput(f"--gpus: devices {[g.device_index for g in gpus if g not in ours]} of {node} are not granted")
+    # GPUs already revoked: the same revocation again (a provider whose report's answer was lost tries
+    # again), nothing to do
+    stray = [g for g in gpus if g not in ours and g.state is not GPUState.REVOKED]
+    if devices is not None and stray:
+        raise BadInput(f"--gpus: devices {[g.device_index for g in stray]} of {node} are not granted")
     now = _now(session)
     deadline = session.scalar(select(func.pearl_now() + func.make_interval(0, 0, 0, 0, 0, 0, notice_s)))
     for g in ours:

@@ -14,8 +14,9 @@
   agent for the workers of its own node. An agent has no direct write on `gpus`.
 - Triggers refuse an agent's change to another node's workers, agents or leases, its claim, renewal
   or report of another node's step (progression, the pending count, readiness, a cancellation after
-  the plan stopped, stays allowed: the last report of a plan settles every node's steps), and a plan
-  it inserts that is not the cleanup of a failed one. Only the owner may disable a trigger.
+  the plan stopped, stays allowed: the last report of a plan settles every node's steps), a plan it
+  inserts that is not the cleanup of a failed one, and any change to a leader lease but giving up one
+  its node's dead predecessor held. Only the owner may disable a trigger.
 
 Frozen: this file is what revision 0012 means.
 
@@ -261,6 +262,19 @@ BEGIN
     RETURN NULL;
 END $$;
 
+CREATE FUNCTION pearl_guard_agent_leadership() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    -- an agent gives up the reaper's leadership a predecessor on its node held, known gone (agents'
+    -- holders are named host:pid:node), and takes none
+    IF OLD.name <> 'reaper' OR NEW.name IS DISTINCT FROM OLD.name OR NEW.holder IS DISTINCT FROM OLD.holder
+       OR NEW.expires_at > OLD.expires_at
+       OR OLD.holder NOT LIKE '%:' || (SELECT name FROM nodes WHERE id = pearl_caller_node()) THEN
+        RAISE EXCEPTION 'the agent of node % (role %) may only give up leadership its node held',
+            pearl_caller_node(), session_user USING ERRCODE = '42501';
+    END IF;
+    RETURN NEW;
+END $$;
+
 -- the guards fire for agents' logins only (every node role is named pearl_agent_...): other writers pay nothing
 CREATE TRIGGER workers_node_scope BEFORE INSERT OR UPDATE OR DELETE ON workers
     FOR EACH ROW WHEN (session_user::text LIKE 'pearl\_agent\_%') EXECUTE FUNCTION pearl_guard_node_rows();
@@ -270,6 +284,8 @@ CREATE TRIGGER leases_node_scope BEFORE INSERT OR UPDATE OR DELETE ON leases
     FOR EACH ROW WHEN (session_user::text LIKE 'pearl\_agent\_%') EXECUTE FUNCTION pearl_guard_lease_rows();
 CREATE TRIGGER plan_steps_node_scope BEFORE UPDATE ON plan_steps
     FOR EACH ROW WHEN (session_user::text LIKE 'pearl\_agent\_%') EXECUTE FUNCTION pearl_guard_agent_step();
+CREATE TRIGGER leader_leases_agent_scope BEFORE UPDATE ON leader_leases
+    FOR EACH ROW WHEN (session_user::text LIKE 'pearl\_agent\_%') EXECUTE FUNCTION pearl_guard_agent_leadership();
 CREATE TRIGGER plans_agent_inserts BEFORE INSERT ON plans
     FOR EACH ROW WHEN (session_user::text LIKE 'pearl\_agent\_%') EXECUTE FUNCTION pearl_guard_agent_plan();
 CREATE TRIGGER plan_steps_agent_inserts AFTER INSERT ON plan_steps REFERENCING NEW TABLE AS new_rows
@@ -300,6 +316,7 @@ GRANT UPDATE ON workers, plan_steps, plans TO pearl_agent;
 GRANT INSERT, UPDATE ON leases, agents, weight_syncs TO pearl_agent;
 GRANT INSERT ON plans, plan_steps, plan_step_deps TO pearl_agent;
 GRANT UPDATE (mode) ON routers TO pearl_agent;
+GRANT UPDATE (expires_at) ON leader_leases TO pearl_agent;
 GRANT INSERT, UPDATE, DELETE ON metrics_endpoints TO pearl_agent, pearl_frontdoor, pearl_policy;
 -- the front door: its own rows
 GRANT INSERT, UPDATE, DELETE ON routers TO pearl_frontdoor;
@@ -342,9 +359,10 @@ def downgrade() -> None:
     op.execute(OWNERSHIP.replace("%(owner)L", "'" + me.replace("'", "''") + "'"))
     for trigger, table in (("workers_node_scope", "workers"), ("agents_node_scope", "agents"),
                            ("leases_node_scope", "leases"), ("plan_steps_node_scope", "plan_steps"),
-                           ("plans_agent_inserts", "plans"), ("plan_steps_agent_inserts", "plan_steps")):
+                           ("plans_agent_inserts", "plans"), ("plan_steps_agent_inserts", "plan_steps"),
+                           ("leader_leases_agent_scope", "leader_leases")):
         op.execute(f"DROP TRIGGER {trigger} ON {table}")
-    for fn in ("pearl_guard_agent_step_inserts()", "pearl_guard_agent_plan()", "pearl_guard_agent_step()",
+    for fn in ("pearl_guard_agent_leadership()", "pearl_guard_agent_step_inserts()", "pearl_guard_agent_plan()", "pearl_guard_agent_step()",
                "pearl_guard_lease_rows()", "pearl_guard_node_rows()", "pearl_control_token_matches(text)",
                "pearl_start_training_if_returned()", "pearl_free_held(integer)", "pearl_drain_held(integer)",
                "pearl_hold_slot(integer, gpu_state)", "pearl_may_change_gpus(integer)",

@@ -138,6 +138,26 @@ def test_an_agent_role_cannot_touch_another_nodes_steps_or_workers(db_engine: En
         assert conn.scalar(text("SELECT status FROM plan_steps WHERE id = :s"), {"s": step["id"]}) == "running"
 
 
+def test_an_agent_gives_up_only_its_own_nodes_leadership(db_engine: Engine, logins: Logins) -> None:
+    """A restarted agent expires the leader lease its dead predecessor on the node held; no other."""
+    with db_engine.begin() as conn:
+        conn.execute(text("INSERT INTO leader_leases (name, holder, acquired_at, expires_at) VALUES "
+                          "('reaper', 'h:1:node-a', now(), now() + interval '1 minute'), "
+                          "('other', 'h:2:node-b', now(), now() + interval '1 minute')"))
+    agent_a = logins.as_role(roles.node_role("node-a"))
+    with agent_a.begin() as conn:
+        conn.execute(text("UPDATE leader_leases SET expires_at = now() WHERE holder = 'h:1:node-a'"))
+    _refused(agent_a, "UPDATE leader_leases SET expires_at = now() WHERE holder = 'h:2:node-b'")
+    _refused(agent_a, "UPDATE leader_leases SET expires_at = now() + interval '1 hour' WHERE name = 'reaper'")
+    _refused(agent_a, "UPDATE leader_leases SET holder = 'h:9:node-a' WHERE name = 'other'")
+    with db_engine.begin() as conn:
+        conn.execute(text("UPDATE leader_leases SET holder = 'loop:h:node-a' WHERE name = 'other'"))
+    _refused(agent_a, "UPDATE leader_leases SET expires_at = now() WHERE name = 'other'")  # not the reaper's
+    with db_engine.connect() as conn:
+        left = dict(conn.execute(text("SELECT name, expires_at > now() FROM leader_leases")).all())
+    assert left == {"reaper": False, "other": True}
+
+
 def test_no_component_writes_gpus_the_audit_log_or_the_triggers(db_engine: Engine, logins: Logins) -> None:
     agent_a = logins.as_role(roles.node_role("node-a"))
     policy, frontdoor, audit = (logins.as_role(r) for r in ("pearl_policy", "pearl_frontdoor", "pearl_audit"))

@@ -257,6 +257,19 @@ def test_a_revocation_notice_then_its_deadline_takes_the_gpus_whatever_holds_the
         GPUState.FREE, GPUState.REVOKED}
 
 
+def test_a_revocation_reported_again_changes_nothing(cp: ControlPlane) -> None:
+    """A provider whose report's answer was lost (the database partitioned after the commit) sends the
+    revocation again once the GPUs are revoked: nothing to do, no error."""
+    assert cp.gpus_granted("spot-0", [0, 1])
+    assert cp.gpus_revoked("spot-0", [0, 1], notice_s=0)
+    with cp.engine.connect() as conn:
+        before = conn.scalar(text("SELECT count(*) FROM events"))
+    assert cp.gpus_revoked("spot-0", [0, 1], notice_s=5) == []
+    with cp.engine.connect() as conn:
+        assert conn.scalar(text("SELECT count(*) FROM events")) == before
+    assert gpu_states(cp.engine, "preemptible") >= {GPUState.REVOKED}
+
+
 def test_bad_provider_events_are_refused_naming_the_option(cp: ControlPlane) -> None:
     with pytest.raises(BadInput, match="--node: train-0 is a training node"):
         cp.gpus_granted("train-0")
