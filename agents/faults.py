@@ -3,9 +3,10 @@
 A fault run is `pearlctl demo`'s run (agents.demo: the embedded PostgreSQL and Redis, the front door,
 an agent and a weight-sync worker per node, the loop, the trainer emulator with steady traffic,
 borrowing plans and weight syncs; the preemptible notice `NOTICE_S`) with one fault injected `at_s`
-wall seconds after the trainer starts; a process the fault kills is started again a second later,
-as a supervisor would. The run lasts `steps` training steps and, past the fault, until the fleet
-has recovered (or `settle_s` more).
+wall seconds after the trainer starts, at the first moment after that when a plan applies and a weight
+sync is under way (the row's `detail.at_injection` says what was); a process the fault kills is
+started again a second later, as a supervisor would. The run lasts `steps` training steps and, past
+the fault, until the fleet has recovered (or `settle_s` more).
 
   fault               what is done
   agent_sigkill       SIGKILL to the training node's agent (its servers keep running)
@@ -55,11 +56,8 @@ from pearl.agents.fleet import Proc
 from pearl.controlplane.core.domain import NodeZone
 from pearl.controlplane.services import embedded
 from pearl.controlplane.services.settings import Settings
-from pearl.controlplane.store import invariants
-from pearl.controlplane.store.db import transaction
+from pearl.controlplane.store import fault_view, invariants
 from pearl.controlplane.store.secrets import control_token
-from sqlalchemy import text
-from sqlalchemy.engine import make_url
 
 FAULTS = ("agent_sigkill", "worker_sigkill", "loop_sigkill", "frontdoor_sigkill", "server_sigkill",
           "postgres_restart", "broker_restart", "database_partition", "clock_skew")
@@ -78,6 +76,7 @@ if _skew:  # this node's wall clock is off by _skew seconds (agents/faults.py, c
 # a drain and release take on a 2-core machine busy with a fault's recovery; 60 s is 6.
 NOTICE_S = 60.0
 RESTART_AFTER_S = 1.0  # a supervisor's pause before it starts a killed process again
+WAIT_BUSY_S = 30.0  # how long past `at_s` a fault waits for a plan applying and a weight sync under way
 
 
 @dataclass
@@ -189,6 +188,7 @@ class FaultRun(Demo):
         self.double_held = 0
         self.weights_mismatched = 0
         self.restarted: list[str] = []
+        self.busy_at_injection: dict[str, bool] = {}
         self.notes: list[str] = []
 
     # -- the environment of the fleet ---------------------------------------------------------------
@@ -196,17 +196,8 @@ class FaultRun(Demo):
     def _fleet_database_url(self, database: str) -> str:
         if self.fault != "database_partition":
             return database
-        url = make_url(database)
-        socket_dir = url.query.get("host")
-        if socket_dir:
-            found = sorted(Path(str(socket_dir)).glob(".s.PGSQL.*"))
-            upstream: str | tuple[str, int] = str([p for p in found if not p.name.endswith(".lock")][0])
-        else:
-            upstream = (url.host or "127.0.0.1", url.port or 5432)
-        self.proxy = FreezingProxy(upstream)
-        port = self.proxy.start()
-        query = {k: v for k, v in url.query.items() if k != "host"}
-        return url.set(host="127.0.0.1", port=port, query=query).render_as_string(hide_password=False)
+        self.proxy = FreezingProxy(fault_view.server_address(database))
+        return fault_view.through_proxy(database, self.proxy.start())
 
     def _trainer_engine(self, engine: Any, fleet_database: str) -> Any:
         if self.fault != "database_partition":
@@ -276,6 +267,16 @@ class FaultRun(Demo):
             self.injected_at = self.fault_ended_at = time.monotonic()
             return
         await asyncio.sleep(self.at_s)
+        # then at a moment when a plan applies and a weight sync is under way (or, failing that within
+        # `WAIT_BUSY_S`, one of the two), as the matrix asks
+        give_up = time.monotonic() + WAIT_BUSY_S
+        while True:
+            busy = await asyncio.to_thread(self._busy, engine)
+            if all(busy.values()) or (time.monotonic() > give_up and any(busy.values())) \
+                    or time.monotonic() > give_up + WAIT_BUSY_S:
+                break
+            await asyncio.sleep(0.05)
+        self.busy_at_injection = busy
         self.injected_at = time.monotonic()
         f = self.fault
         if f in ("agent_sigkill", "worker_sigkill", "loop_sigkill", "frontdoor_sigkill"):
@@ -316,44 +317,32 @@ class FaultRun(Demo):
 
     # -- what the run looks like ---------------------------------------------------------------------
 
+    def _busy(self, engine: Any) -> dict[str, bool]:
+        try:
+            return fault_view.under_way(engine)
+        except Exception:  # noqa: BLE001 - a read that failed: not known busy
+            return {"plan_applying": False, "sync_in_flight": False}
+
     def _healthy(self, engine: Any) -> bool:
         assert self.fleet is not None
         if self.fleet.check() is not None:
             return False
-        agents = {p.name.removeprefix("agent "): p.popen.pid for p in self.fleet.procs if p.name.startswith("agent ")}
         try:
-            with transaction(engine) as session:
-                live = set(session.execute(text(
-                    "SELECT n.name, a.pid FROM agents a JOIN nodes n ON n.id = a.node_id WHERE a.stopped_at IS NULL "
-                    "AND a.heartbeat_at > now() - interval '5 seconds'")).tuples())
-                if not set(agents.items()) <= live:  # each node's agent process now is registered and beating
-                    return False
-                serving = set(session.scalars(text(
-                    "SELECT pid FROM metrics_endpoints WHERE heartbeat_at > pearl_now() - interval '10 seconds'")))
-                if not {p.popen.pid for p in self.fleet.procs if p.name != "dashboard"} <= serving:
-                    return False  # a process started again has not come up (its metrics not recorded yet)
-                loop = self.fleet.named("loop").popen.pid
-                if not session.scalar(text("SELECT 1 FROM leader_leases WHERE name = 'policy' AND "
-                                           "holder LIKE :h AND expires_at > pearl_now()"), {"h": f"%:{loop}"}):
-                    return False  # the loop that runs now leads
-                row = session.execute(text("""
-                    SELECT 0 AS without_agent,
-                           (SELECT count(*) FROM plan_steps WHERE status = 'running' AND lease_until < now())
-                               AS expired_claims,
-                           (SELECT url FROM routers WHERE stopped_at IS NULL
-                            ORDER BY started_at DESC LIMIT 1) AS front_door
-                """)).one()
+            h = fault_view.fleet_health(engine)
         except Exception:  # noqa: BLE001 - the database is still away: not healthy yet
             return False
-        if row.without_agent or row.expired_claims or not row.front_door:
+        agents = {(p.name.removeprefix("agent "), p.popen.pid) for p in self.fleet.procs if p.name.startswith("agent ")}
+        loop = self.fleet.named("loop").popen.pid
+        if not agents <= h.agents:  # each node's agent process now is registered and beating
             return False
+        if not {p.popen.pid for p in self.fleet.procs if p.name != "dashboard"} <= h.metrics_pids:
+            return False  # a process started again has not come up (its metrics not recorded yet)
+        if not (h.policy_leader or "").endswith(f":{loop}") or h.expired_claims or not h.front_door:
+            return False  # the loop that runs now leads; no claim is past its lease; a front door is up
         try:  # the front door answers, and so does the server of every worker in service
-            with transaction(engine) as session:
-                endpoints = list(session.scalars(text(
-                    "SELECT endpoint FROM workers WHERE activity = 'active' AND endpoint IS NOT NULL")))
             return all(httpx.get(f"{url}/health", timeout=2.0).status_code == 200
-                       for url in [row.front_door, *endpoints])
-        except (httpx.HTTPError, Exception):  # noqa: BLE001 - not healthy yet
+                       for url in [h.front_door, *h.serving])
+        except httpx.HTTPError:
             return False
 
     def _gpus_double_held(self) -> int:
@@ -381,34 +370,25 @@ class FaultRun(Demo):
         queued or running (one in flight has loaded the server before it writes the row)."""
         token = control_token(engine)
         deadline = time.monotonic() + settle_s
-        while time.monotonic() < deadline:
-            with transaction(engine) as session:
-                if not session.scalar(text("SELECT count(*) FROM weight_syncs WHERE state IN ('queued', 'running')")):
-                    break
+        while fault_view.under_way(engine)["sync_in_flight"]:
+            if time.monotonic() > deadline:
+                self.notes.append(f"weight syncs still in flight {settle_s:g} s after the run")
+                break
             time.sleep(0.25)
-        else:
-            self.notes.append(f"weight syncs still in flight {settle_s:g} s after the run")
-        with transaction(engine) as session:
-            rows = session.execute(text("SELECT id, endpoint, weights_version FROM workers "
-                                        "WHERE activity = 'active' AND endpoint IS NOT NULL")).all()
         mismatched = 0
-        for row in rows:
+        for worker, endpoint, version in fault_view.serving_weights(engine):
             with contextlib.suppress(httpx.HTTPError, ValueError):
-                info = httpx.get(f"{row.endpoint}/model_info", headers={"Authorization": f"Bearer {token}"},
+                info = httpx.get(f"{endpoint}/model_info", headers={"Authorization": f"Bearer {token}"},
                                  timeout=5.0).json()
                 reported = str(info.get("weight_version", ""))
-                if reported not in (str(row.weights_version), "default" if row.weights_version == 0 else ""):
+                if reported not in (str(version), "default" if version == 0 else ""):
                     mismatched += 1
-                    self.notes.append(f"worker {row.id}: server reports {reported}, row {row.weights_version}")
+                    self.notes.append(f"worker {worker}: server reports {reported}, row {version}")
         return mismatched
 
     def report(self, summary: dict[str, Any], engine: Any) -> FaultReport:
-        with transaction(engine) as session:
-            failed = session.execute(text("SELECT id, error FROM plans WHERE status = 'failed' ORDER BY id")).all()
-            twice = session.scalar(text("""
-                SELECT count(*) FROM (SELECT entity_id FROM events WHERE entity = 'plan_steps' AND op = 'update'
-                                      AND new->>'status' = 'succeeded' AND old->>'status' IS DISTINCT FROM 'succeeded'
-                                      GROUP BY entity_id HAVING count(*) > 1) twice"""))
+        failed = fault_view.failed_plans(engine)
+        twice = fault_view.steps_succeeded_twice(engine)
         violations = invariants.check(engine).violations
         stats = self.trainer.stats if self.trainer is not None else None
         recovered = None
@@ -420,7 +400,8 @@ class FaultRun(Demo):
             requests_lost=stats.failed_requests if stats else 0,
             requests_resubmitted=(stats.resubmitted + stats.retried) if stats else 0,
             weights_mismatched=self.weights_mismatched, violations=len(violations),
-            detail={"failed_plans": [{"plan": p.id, "error": p.error} for p in failed],
+            detail={"failed_plans": [{"plan": plan, "error": error} for plan, error in failed],
+                    "at_injection": self.busy_at_injection,
                     "violations": [v.to_dict() for v in violations], "restarted": self.restarted,
                     "report_retries": stats.report_retries if stats else 0, "notes": self.notes,
                     "training_steps": summary.get("training_steps"), "requests": summary.get("requests"),

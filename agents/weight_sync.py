@@ -34,7 +34,7 @@ from typing import Any
 from pearl.agents.drivers.base import DriverError
 from pearl.agents.server_client import ServerClient
 from pearl.agents.steps import served_version
-from pearl.controlplane.errors import PearlError
+from pearl.controlplane.errors import DatabaseUnavailable, PearlError
 from pearl.controlplane.store import weights as rows
 from pearl.controlplane.store.db import transaction
 from pearl.controlplane.store.secrets import control_token
@@ -137,37 +137,44 @@ def _attempts(engine: Any, worker_id: int, version: int, deadline: float, timeou
         client = lambda endpoint, fence: ServerClient(endpoint, timeout_s=60.0, fence=fence, token=token)  # noqa: E731
     make = client
     while True:
-        with transaction(engine, actor=actor, reason=reason) as session:
-            job = rows.begin_sync(session, worker_id, version)
-        if isinstance(job, str):
-            log.info("%s: nothing to do (%s)", reason, job)
-            return SyncOutcome(worker_id, version, "skipped", job)
-        api = make(job.endpoint, job.fence)
         try:
-            method = bring_to_version(api, job, load)
-            with transaction(engine) as session:
-                stop = rows.still_wanted(session, job)
-            if stop is not None and "server changed" in stop:
-                raise rows.SyncFenced(stop)
             with transaction(engine, actor=actor, reason=reason) as session:
-                moved = rows.finish_sync(session, job, method=method)
-            log.info("%s: done by %s (attempt %d%s)", reason, method, job.attempts, "" if moved else ", already there")
-            return SyncOutcome(worker_id, version, "done", method, job.attempts)
-        except SyncRefused as exc:
-            with transaction(engine, actor=actor, reason=reason) as session:
-                rows.fail_sync(session, job, str(exc), final=True)
-            log.error("%s: failed: %s", reason, exc)
-            return SyncOutcome(worker_id, version, "failed", str(exc), job.attempts)
-        except (DriverError, rows.SyncFenced) as exc:
-            final = time.monotonic() >= deadline
-            with transaction(engine, actor=actor, reason=reason) as session:
-                rows.fail_sync(session, job, str(exc), final=final)
-            if final:
-                log.error("%s: failed after %.0f s: %s", reason, timeout_s, exc)
+                job = rows.begin_sync(session, worker_id, version)
+            if isinstance(job, str):
+                log.info("%s: nothing to do (%s)", reason, job)
+                return SyncOutcome(worker_id, version, "skipped", job)
+            api = make(job.endpoint, job.fence)
+            try:
+                method = bring_to_version(api, job, load)
+                with transaction(engine) as session:
+                    stop = rows.still_wanted(session, job)
+                if stop is not None and "server changed" in stop:
+                    raise rows.SyncFenced(stop)
+                with transaction(engine, actor=actor, reason=reason) as session:
+                    moved = rows.finish_sync(session, job, method=method)
+                log.info("%s: done by %s (attempt %d%s)", reason, method, job.attempts,
+                         "" if moved else ", already there")
+                return SyncOutcome(worker_id, version, "done", method, job.attempts)
+            except SyncRefused as exc:
+                with transaction(engine, actor=actor, reason=reason) as session:
+                    rows.fail_sync(session, job, str(exc), final=True)
+                log.error("%s: failed: %s", reason, exc)
                 return SyncOutcome(worker_id, version, "failed", str(exc), job.attempts)
-            log.warning("%s: attempt %d: %s; retrying", reason, job.attempts, exc)
-            time.sleep(retry_s)
-        finally:
-            close = getattr(api, "close", None)
-            if close is not None:
-                close()
+            except (DriverError, rows.SyncFenced) as exc:
+                final = time.monotonic() >= deadline
+                with transaction(engine, actor=actor, reason=reason) as session:
+                    rows.fail_sync(session, job, str(exc), final=final)
+                if final:
+                    log.error("%s: failed after %.0f s: %s", reason, timeout_s, exc)
+                    return SyncOutcome(worker_id, version, "failed", str(exc), job.attempts)
+                log.warning("%s: attempt %d: %s; retrying", reason, job.attempts, exc)
+                time.sleep(retry_s)
+            finally:
+                close = getattr(api, "close", None)
+                if close is not None:
+                    close()
+        except DatabaseUnavailable as exc:  # a restart or a failover: what the server did is found again
+            if time.monotonic() >= deadline:
+                raise
+            log.warning("%s: the database is away (%s); trying again", reason, exc)
+            time.sleep(max(retry_s, 0.5))

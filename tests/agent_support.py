@@ -12,9 +12,23 @@ from pathlib import Path
 from typing import Any
 
 from pearl.agents.drivers.base import DriverError, Server, ServerSpec
+from pearl.agents.steps import Timeouts
 from pearl.controlplane.core.domain import Role
 
 _ports = itertools.count(40000)
+
+# Two rollout nodes of two tp-2 workers each, and agent timings short enough for tests
+TWO_NODES = {
+    "model": "qwen3-8b", "gpu": "h800", "tp": 2,
+    "nodes": [
+        {"name": "node-a", "zone": "rollout", "gpus": 4, "address": "127.0.0.1"},  # workers 1, 2
+        {"name": "node-b", "zone": "rollout", "gpus": 4, "address": "127.0.0.1"},  # workers 3, 4
+    ],
+}
+FAST = dict(lease_s=2.0, poll_s=0.1, heartbeat_s=0.2, reap_every_s=0.3, agent_timeout_s=1.5,
+            timeouts=Timeouts(ready_s=5, drain_s=0.2, idle_s=2, poll_s=0.01))
+ALL = frozenset({1, 2, 3, 4})
+
 
 
 @dataclass

@@ -362,7 +362,8 @@ def downgrade() -> None:
                            ("plans_agent_inserts", "plans"), ("plan_steps_agent_inserts", "plan_steps"),
                            ("leader_leases_agent_scope", "leader_leases")):
         op.execute(f"DROP TRIGGER {trigger} ON {table}")
-    for fn in ("pearl_guard_agent_leadership()", "pearl_guard_agent_step_inserts()", "pearl_guard_agent_plan()", "pearl_guard_agent_step()",
+    for fn in ("pearl_guard_agent_leadership()", "pearl_guard_agent_step_inserts()", "pearl_guard_agent_plan()",
+               "pearl_guard_agent_step()",
                "pearl_guard_lease_rows()", "pearl_guard_node_rows()", "pearl_control_token_matches(text)",
                "pearl_start_training_if_returned()", "pearl_free_held(integer)", "pearl_drain_held(integer)",
                "pearl_hold_slot(integer, gpu_state)", "pearl_may_change_gpus(integer)",

@@ -15,11 +15,10 @@ from collections import Counter
 from collections.abc import Iterator
 
 import pytest
-from agent_support import FakeDriver, FakeFrontDoor, FakeServers
+from agent_support import ALL, FAST, TWO_NODES, FakeDriver, FakeFrontDoor, FakeServers
 from db_faults import refuse_first, refused
 from pearl.agents.agent import Agent, AgentConfig
 from pearl.agents.drivers.base import DriverError
-from pearl.agents.steps import Timeouts
 from pearl.controlplane.core.domain import Activity, GPUState, PlanStatus, Role
 from pearl.controlplane.core.fleet import Target
 from pearl.controlplane.errors import IllegalTransition, NodeTaken
@@ -32,16 +31,6 @@ from sqlalchemy import Engine, select, text
 
 pytestmark = pytest.mark.integration
 
-TWO_NODES = {
-    "model": "qwen3-8b", "gpu": "h800", "tp": 2,
-    "nodes": [
-        {"name": "node-a", "zone": "rollout", "gpus": 4, "address": "127.0.0.1"},  # workers 1, 2
-        {"name": "node-b", "zone": "rollout", "gpus": 4, "address": "127.0.0.1"},  # workers 3, 4
-    ],
-}
-FAST = dict(lease_s=2.0, poll_s=0.1, heartbeat_s=0.2, reap_every_s=0.3, agent_timeout_s=1.5,
-            timeouts=Timeouts(ready_s=5, drain_s=0.2, idle_s=2, poll_s=0.01))
-ALL = frozenset({1, 2, 3, 4})
 
 
 def target(**counts: int) -> Target:

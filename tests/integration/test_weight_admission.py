@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 from agent_support import FakeClient, FakeDriver, FakeFrontDoor, FakeServers
+from db_faults import refuse_first, refused
 from pearl.agents.drivers.base import DriverError, ServerSpec
 from pearl.agents.steps import StepContext, Timeouts, admit, load_weights
 from pearl.agents.weight_sync import run_sync
@@ -163,6 +164,20 @@ def test_a_server_left_paused_by_a_failed_resume_is_resumed_before_the_sync_is_d
     assert outcome.result == "done" and outcome.attempts == 2
     assert driver.by_worker[1].commands[-4:] == ["pause:retract", "load:1", "continue:timed-out", "continue"]
     assert driver.by_worker[1].weight_version == 1 and [r["state"] for r in sync_rows(db_engine)] == ["done"]
+
+
+def test_a_sync_whose_database_goes_away_after_the_load_is_recorded_once_it_is_back(
+        db_engine: Engine, tmp_path: Path, no_broker: None) -> None:
+    """The server loaded the new weights, then the database restarted (57P01) and gave up (40001) on
+    recording it: the task tries again, finds the server at the version and records the sync done,
+    without loading a second time."""
+    servers, _, driver, _, _ = admitting_at_v1(db_engine, tmp_path)
+    refuse_first(db_engine, "sync_done_refused", "weight_syncs", "UPDATE", ["57P01", "40001"],
+                 when="NEW.state = 'done'")
+    outcome = run_sync(db_engine, 1, 1, client=servers.client, retry_s=0.05)
+    assert outcome.result == "done" and refused(db_engine, "sync_done_refused") == 3
+    assert driver.by_worker[1].weight_version == 1 and driver.by_worker[1].commands.count("load:1") == 1
+    assert [r["state"] for r in sync_rows(db_engine)] == ["done"]
 
 
 def admitting_at_v1(engine: Engine, tmp_path: Path) -> tuple[FakeServers, FakeFrontDoor, FakeDriver, ControlPlane,
