@@ -333,7 +333,7 @@ class Demo:
     def _simulate(self, duration: float) -> subprocess.Popen:
         out = self.run_dir / "simulated.json"
         argv = [str(Path(sys.executable).with_name("pearlctl")), "sim", "compare", "--scenario", self.cfg.scenario,
-                "--set", f"duration_s={duration!r}", "--json"]
+                *[a for o in self.cfg.overrides for a in ("--set", o)], "--set", f"duration_s={duration!r}", "--json"]
         with out.open("w") as stdout, (self.run_dir / "simulated.log").open("w") as stderr:
             return subprocess.Popen(argv, stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL,
                                     preexec_fn=lambda: os.nice(10), start_new_session=True)

@@ -33,6 +33,9 @@ def demo(
                                            help="Run the simulator beside, on the same scenario.")] = True,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
     plot: Annotated[Path | None, typer.Option("--plot", help="Write the run's timeline as a PNG.")] = None,
+    overrides: Annotated[list[str] | None, typer.Option(
+        "--set", help="Change the scenario, KEY=VALUE (repeat), as `sim compare --set`: e.g. "
+                      "cluster.preemptible.notice_s=60.")] = None,
 ) -> None:
     """Run pearl live on this machine: PostgreSQL and Redis (embedded unless configured), the front door
     over the real SGLang router, one agent and one weight-sync worker per node, simulated SGLang servers,
@@ -48,6 +51,9 @@ def demo(
         raise BadInput(f"--steps: between 1 and 100000 training steps, not {steps}")
     if plot is not None and plot.suffix.lower() != ".png":
         raise BadInput(f"--plot: a .png file, not {plot}")
+    from pearl.sim.scenario import load_scenario
+
+    load_scenario(scenario, list(overrides or []))  # a bad scenario or override is refused before anything starts
     from rich.live import Live
 
     live = Live(Text("starting the live system..."), console=err, auto_refresh=False, transient=False)
@@ -57,7 +63,7 @@ def demo(
                           Text(f"dashboard: {runner.dashboard_url}" if runner.dashboard_url else "")), refresh=True)
 
     runner = Demo(DemoConfig(scenario=scenario, speed=speed, duration_s=duration, simulate=simulate,
-                                    steps=steps),
+                             steps=steps, overrides=tuple(overrides or ())),
                   view=view if err.is_terminal else None)
     with live if err.is_terminal else _nothing():
         result = runner.run()
