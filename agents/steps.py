@@ -111,6 +111,7 @@ class Timeouts:
     drain_s: float = 0.0
     idle_s: float = 60.0  # an interrupted or drained server has nothing left running
     weights_s: float = 600.0  # an admitted worker reaches the trainer's current weights version
+    front_door_s: float = 30.0  # a front door that gives no answer (restarting) is tried again this long
     poll_s: float = 0.05
 
 
@@ -237,7 +238,7 @@ def drain(ctx: StepContext) -> None:
     server = ctx.driver.running(w.id)
     endpoint = server.endpoint if server is not None else w.endpoint
     if endpoint:
-        ctx.front_door().deregister(endpoint)
+        _at_front_door(ctx, lambda: ctx.front_door().deregister(endpoint), f"deregistering worker {w.id}")
     if server is not None and ctx.timeouts.drain_s > 0:
         ctx.wait(_idle(ctx.server_api(server)), ctx.timeouts.drain_s, "idle after drain")
     ctx.complete()
@@ -458,8 +459,29 @@ def admit(ctx: StepContext) -> None:
         raise DriverError(f"worker {w.id} has weights version {w.weights_version}, the trainer is at "
                           f"{w.trainer_version}: version {w.trainer_version} did not arrive within "
                           f"{ctx.timeouts.weights_s:g} s; not admitted{_sync_note(ctx, w.id)}")
-    ctx.front_door().register(server.endpoint, Role(ctx.args["role"]).value, server.bootstrap_port)
+    role = Role(ctx.args["role"]).value
+    _at_front_door(ctx, lambda: ctx.front_door().register(server.endpoint, role, server.bootstrap_port),
+                   f"registering worker {w.id}")
     ctx.complete()
+
+
+def _at_front_door(ctx: StepContext, call: Callable[[], object], what: str) -> None:
+    """`call` to the front door, tried again while it gives no answer (it is restarting: the next try
+    finds its new address in the rows) for up to `Timeouts.front_door_s`; a refusal raises at once."""
+    failed: list[DriverError] = []
+
+    def attempt() -> bool:
+        try:
+            call()
+            return True
+        except DriverError as exc:
+            if exc.status is not None:
+                raise
+            failed[:] = [exc]
+            return False
+
+    if not ctx.wait(attempt, ctx.timeouts.front_door_s, what):
+        raise failed[-1] if failed else DriverError(f"{what}: the front door did not answer")
 
 
 def _has_current_weights(ctx: StepContext) -> bool:

@@ -192,11 +192,21 @@ class FakeFrontDoor:
     mode: str | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
 
+    down: int = 0  # the next calls that find no front door answering (it is restarting)
+
+    def _answers(self) -> None:
+        with self.lock:
+            if self.down > 0:
+                self.down -= 1
+                raise DriverError("front door http://127.0.0.1:1: no answer (ConnectError: refused)")
+
     def register(self, url: str, role: str, bootstrap_port: int | None = None) -> None:
+        self._answers()
         with self.lock:
             self.workers[url] = role
 
     def deregister(self, url: str) -> None:
+        self._answers()
         with self.lock:
             self.workers.pop(url, None)
 

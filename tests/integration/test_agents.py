@@ -129,6 +129,19 @@ def test_two_agents_enact_colocated_2p2d_1p3d_colocated(fleet: Fleet) -> None:
     assert fleet.servers.launches == 4 + 4 + 4  # colocated, split, colocated again
 
 
+def test_admits_and_drains_wait_for_a_front_door_that_is_restarting(fleet: Fleet) -> None:
+    """A front door killed and started again gives no answer for a moment: the admits and drains of a
+    plan try again (finding its new address) instead of failing the plan."""
+    fleet.start("node-a")
+    fleet.start("node-b")
+    fleet.front_door.down = 6
+    assert apply_and_wait(fleet.engine, target(colocated=4))["status"] == "succeeded"
+    fleet.front_door.down = 6
+    summary = apply_and_wait(fleet.engine, target(prefill=2, decode=2))
+    assert summary["status"] == "succeeded", summary["error"]
+    assert fleet.front_door.down == 0 and len(fleet.front_door.workers) == 4
+
+
 def test_a_server_that_refuses_a_role_switch_is_restarted_in_the_new_role(fleet: Fleet) -> None:
     """SGLang refuses a flip to decode without room for its decode graphs (400): the step restarts the
     server in the new role, and the rows carry the new server's endpoint."""
