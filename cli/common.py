@@ -83,6 +83,15 @@ def _unexpected(exc: BaseException) -> tuple[str, int, str | None] | None:
     return None
 
 
+def _option_with_nul(kwargs: dict[str, Any]) -> str | None:
+    """The option given text with a NUL character in it (PostgreSQL text cannot hold one), if any."""
+    for name, value in kwargs.items():
+        values = value if isinstance(value, (list, tuple)) else [value]
+        if any(isinstance(v, str) and "\x00" in v for v in values):
+            return "--" + name.rstrip("_").replace("_", "-")
+    return None
+
+
 def handle_errors(fn: F) -> F:
     """Turn pearl's errors into a one-line message on stderr (and a JSON object on stdout under
     `--json`) with the right exit code; never a traceback for bad input."""
@@ -90,6 +99,9 @@ def handle_errors(fn: F) -> F:
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         as_json = any(bool(kwargs.get(name)) for name in _JSON_PARAMS)
+        nul = _option_with_nul(kwargs)
+        if nul:
+            raise fail(f"{nul}: text may not contain a NUL (0x00) character", 2, as_json, nul)
         try:
             return fn(*args, **kwargs)
         except PearlError as exc:

@@ -28,7 +28,7 @@ from pearl.controlplane.services.embedded import database_url
 from pearl.controlplane.services.settings import redact_url
 from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.engine import make_url
-from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.exc import DataError, DBAPIError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 if TYPE_CHECKING:  # Alembic is imported when a migration runs, not by every command that checks the schema
@@ -41,6 +41,8 @@ INVARIANT_VIOLATION = "PX002"
 APPEND_ONLY = "PX003"
 STALE_FENCE = "PX004"  # 0004: an effect under an older claim's fence than the worker's last
 BAD_EVENT = "PX005"  # 0005: an event the trainer, the rollout or the provider reported is refused
+# character_not_in_repertoire (a NUL in text), untranslatable_character, unsupported Unicode escape
+TEXT_REFUSED = frozenset({"22021", "22P05", "22025"})
 # CHECK constraints of what the trainer and the rollout report: bad input naming the field.
 EVENT_CONSTRAINTS = {
     "ck_rollout_progress_step_non_negative": "step: must be >= 0",
@@ -175,6 +177,9 @@ def translate(exc: DBAPIError, engine: Engine | None = None) -> PearlError | Non
         return ClaimLost(diag.message_primary if diag else str(orig))
     if state == BAD_EVENT:
         return BadInput(diag.message_primary if diag else str(orig))
+    if state in TEXT_REFUSED or (state is None and isinstance(exc, DataError)):
+        # a NUL or a bad escape in text or JSON, refused by psycopg before sending or by the server
+        return BadInput(f"text the database cannot store: {(str(orig).strip().splitlines() or ['?'])[0]}")
     if state == "23514":  # check_violation
         name = diag.constraint_name if diag else None
         if name in EVENT_CONSTRAINTS:

@@ -315,9 +315,13 @@ def test_the_event_commands(cp: ControlPlane, database_url: str, tmp_path) -> No
     assert done.exit_code == 0 and json.loads(done.stdout)["notice_s"] == 30
     for args, message in ((["event", "gpus-granted", "--node", "spot-0", "--gpus", "a,b"], "--gpus: a comma"),
                           (["event", "rollout-progress", "--step", "0", "--finished", "1"], "finished: rollout step 0"),
-                          (["event", "training-end", "--step", "9"], "step: training step 9 never began")):
+                          (["event", "training-end", "--step", "9"], "step: training step 9 never began"),
+                          (["event", "gpus-revoked", "--node", "\x00"], "--node: text may not contain a NUL"),
+                          (["event", "training-end", "--step", "1", "--snapshot", "w\x00"], "--snapshot: text")):
         done = run(app, args, env=env)
         assert done.exit_code == 2 and message in done.output, done.output
+    with pytest.raises(BadInput, match="text the database cannot store"):  # the same below the CLI
+        cp.gpus_revoked("spot\x00", notice_s=5)
     with transaction(cp.engine) as session:
         assert session.get(RolloutProgress, 0).finished == 2
 
