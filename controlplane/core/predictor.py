@@ -214,6 +214,33 @@ class Workbook:
     # for the same budgets at the same remaining share (about half the calls of a simulated run)
     evaluations: dict[tuple, Evaluation] = field(default_factory=dict, repr=False)
 
+    @functools.cached_property
+    def sums(self) -> dict[str, Any]:
+        """Sums and means of the sample that no configuration changes (asynchronous batches read
+        them on every evaluation): computed once per workbook."""
+        rows = self.rows
+        turns = rows.turn.sum(axis=0)
+        ctx_decode, ctx_end = self.decoding_context
+        st = {k: v[:, None] for k, v in self.stats.items()}
+        st["ctx_decode"] = np.full_like(st["ctx_decode"], ctx_decode)  # the others decoding beside a turn
+        st["ctx_end"] = np.full_like(st["ctx_end"], ctx_end)
+        return {
+            "turns": turns,
+            "weight": turns / turns.sum(),
+            "async_st": st,
+            "mix": {k: float(turns @ v / turns.sum()) for k, v in self.stats.items()} | {"ctx_decode": ctx_decode,
+                                                                                      "ctx_end": ctx_end},
+            "mean_row": {split: m.mean(axis=0) for split, m in self.rows_matrix.items()},
+            "mean_constant": {split: c.mean() for split, c in self.rows_constant.items()},
+            "gen_sum": rows.gen.sum(axis=0),
+            "gen_sq_sum": (rows.gen**2).sum(axis=0),
+            "gen_mean": rows.gen.mean(axis=0),
+            "turn_mean": rows.turn.mean(axis=0),
+            "prefill_mean": {False: rows.pre_colocated.sum(axis=1).mean(), True: rows.pre_split.sum(axis=1).mean()},
+            "transfer_mean": rows.transfer.sum(axis=1).mean(),
+            "env_mean": rows.env_turn.sum(axis=1).mean(),
+        }
+
 
 @functools.lru_cache(maxsize=16)
 def prepare(profile: Profile) -> Workbook:
@@ -485,18 +512,9 @@ def _corrected(wb: Workbook, split: bool, ev: Evaluation) -> Evaluation:
 def _evaluate(wb: Workbook, split: bool, n1: np.ndarray, n2: np.ndarray, remaining_fraction: float,
               refine: int | None, include: tuple[int, ...]) -> Evaluation:
     """`evaluate`'s work, done afresh."""
-    p = wb.profile
-    if p.rollout.is_async:
+    if wb.profile.rollout.is_async:
         return _evaluate_async(wb, split, n1, n2, remaining_fraction, refine, include)
-    st = {k: v[:, None] for k, v in wb.stats.items()}
-    f = np.full((len(wb.alive), len(n1)), p.decode_fraction)
-    for _ in range(FIXED_POINT_ITERATIONS):
-        costs = _round_costs(wb, split, st, wb.alive[:, None], n1[None, :], n2[None, :], f)
-        f = costs.f
-    e = p.engine
-    coefficients = _coefficients(e, split, costs)
-    lead_total = wb.lead_matrix[split] @ coefficients + wb.lead_constant[split][:, None]
-    makespan = wb.lead_weights @ np.sort(lead_total, axis=0)
+    st, costs, f, coefficients, makespan = _pass1(wb, split, n1, n2)
     if refine is None:
         chosen = np.arange(len(n1))
     else:
@@ -539,6 +557,33 @@ def _evaluate(wb: Workbook, split: bool, n1: np.ndarray, n2: np.ndarray, remaini
     if remaining_fraction < 1 and len(chosen):
         remaining[chosen] = remaining_chosen
     return _evaluation(remaining, reasons, chosen, components, diagnostics)
+
+
+def _pass1(wb: Workbook, split: bool, n1: np.ndarray, n2: np.ndarray) -> tuple[dict, _Costs, np.ndarray, np.ndarray,
+                                                                           np.ndarray]:
+    """Pass 1 of lock-step batches: the round model's costs, decode share, coefficients and the
+    expected maximum over the lead rows (the makespan the `refine` best are chosen by)."""
+    st = {k: v[:, None] for k, v in wb.stats.items()}
+    f = np.full((len(wb.alive), len(n1)), wb.profile.decode_fraction)
+    for _ in range(FIXED_POINT_ITERATIONS):
+        costs = _round_costs(wb, split, st, wb.alive[:, None], n1[None, :], n2[None, :], f)
+        f = costs.f
+    coefficients = _coefficients(wb.profile.engine, split, costs)
+    lead_total = wb.lead_matrix[split] @ coefficients + wb.lead_constant[split][:, None]
+    return st, costs, f, coefficients, wb.lead_weights @ np.sort(lead_total, axis=0)
+
+
+def screen(wb: Workbook, split: bool, n1: np.ndarray, n2: np.ndarray | None = None) -> np.ndarray:
+    """(C,) what `evaluate` first ranks configurations by, before it times the `refine` best in
+    full: pass 1's makespan (lock-step batches) or the mean trajectory time at the slots' full load
+    (asynchronous). A function of each configuration alone (no other configuration, nor the
+    remaining share, changes it): the selector searches it for the candidates worth evaluating."""
+    n1 = np.asarray(n1, dtype=float)
+    n2 = np.zeros_like(n1) if n2 is None else np.asarray(n2, dtype=float)
+    if wb.profile.rollout.is_async:
+        load = np.full(len(n1), float(wb.profile.rollout.slots(wb.profile.batch_size)))
+        return _async_pass(wb, split, n1, n2, load)[2]
+    return _pass1(wb, split, n1, n2)[4]
 
 
 def _coefficients(e: EngineProfile, split: bool, costs: _Costs) -> np.ndarray:
@@ -632,6 +677,23 @@ def _run_slots(wb: Workbook, durations: np.ndarray, delay: np.ndarray, remaining
     return _SlotRun(interval, remaining_s, np.mean(tails, axis=0), busy / np.maximum(busy + idle, 1e-300))
 
 
+def _async_pass(wb: Workbook, split: bool, n1: np.ndarray, n2: np.ndarray,
+                load: np.ndarray) -> tuple[_Costs, np.ndarray, np.ndarray]:
+    """The round model of asynchronous batches under `load` (C,) concurrent trajectories: the
+    costs, the coefficients and the mean trajectory time (C,)."""
+    p, sums = wb.profile, wb.sums
+    st, mix = sums["async_st"], sums["mix"]
+    r_n, c_n = len(wb.alive), len(n1)
+    alive = np.broadcast_to(load[None, :], (r_n, c_n))
+    f = np.full((r_n, c_n), p.decode_fraction)
+    for _ in range(FIXED_POINT_ITERATIONS):
+        costs = _round_costs(wb, split, st, alive, n1[None, :], n2[None, :], f, mix)
+        f = costs.f
+    coefficients = _coefficients(p.engine, split, costs)
+    mean_s = sums["mean_row"][split] @ coefficients + sums["mean_constant"][split]
+    return costs, coefficients, mean_s
+
+
 def _evaluate_async(wb: Workbook, split: bool, n1: np.ndarray, n2: np.ndarray, remaining_fraction: float,
                     refine: int | None = None, include: tuple[int, ...] = ()) -> Evaluation:
     """`evaluate` for asynchronous batches (the section's comment). The slots are run for the
@@ -639,29 +701,14 @@ def _evaluate_async(wb: Workbook, split: bool, n1: np.ndarray, n2: np.ndarray, r
     `refine` is None); the others' interval is their mean trajectory time scaled as the run ones'."""
     if not 0 < remaining_fraction <= 1:
         raise BadInput(f"remaining_fraction: must be in (0, 1], got {remaining_fraction}")
-    p, e, ro = wb.profile, wb.profile.engine, wb.profile.rollout
-    rows = wb.rows
-    ctx_decode, ctx_end = wb.decoding_context
-    st = {k: v[:, None] for k, v in wb.stats.items()}
-    st["ctx_decode"] = np.full_like(st["ctx_decode"], ctx_decode)  # the others decoding beside a turn
-    st["ctx_end"] = np.full_like(st["ctx_end"], ctx_end)
-    turns = rows.turn.sum(axis=0)
-    mix = {k: float(turns @ v / turns.sum()) for k, v in wb.stats.items()} | {"ctx_decode": ctx_decode,
-                                                                             "ctx_end": ctx_end}
-    r_n, c_n = len(wb.alive), len(n1)
+    p, ro, sums = wb.profile, wb.profile.rollout, wb.sums
+    c_n = len(n1)
     slots, per_slot = ro.slots(p.batch_size), ro.trajectories_per_slot
-    weight = turns / turns.sum()
-    mean_row = {split_: m.mean(axis=0) for split_, m in wb.rows_matrix.items()}
+    weight, mean_row = sums["weight"], sums["mean_row"]
     load = np.full(c_n, float(slots))
     chosen = np.arange(c_n)
     for _ in range(LOAD_ITERATIONS):
-        alive = np.broadcast_to(load[None, :], (r_n, c_n))
-        f = np.full((r_n, c_n), p.decode_fraction)
-        for _ in range(FIXED_POINT_ITERATIONS):
-            costs = _round_costs(wb, split, st, alive, n1[None, :], n2[None, :], f, mix)
-            f = costs.f
-        coefficients = _coefficients(e, split, costs)
-        mean_s = mean_row[split] @ coefficients + wb.rows_constant[split].mean()  # (C,) mean trajectory
+        costs, coefficients, mean_s = _async_pass(wb, split, n1, n2, load)
         if refine is not None:
             best = np.argsort(mean_s, kind="stable")[:refine]
             chosen = np.union1d(best, np.asarray(include, dtype=int)).astype(int)
@@ -669,7 +716,7 @@ def _evaluate_async(wb: Workbook, split: bool, n1: np.ndarray, n2: np.ndarray, r
         decoding = weight @ costs.f
         # an aborted turn loses what it generated: the in-flight one is length-biased, E[T^2] / 2E[T]
         # over the turns' decode times gen * per_token (summed per round, then over rounds)
-        first, second = rows.gen.sum(axis=0) @ costs.per_token, (rows.gen**2).sum(axis=0) @ costs.per_token**2
+        first, second = sums["gen_sum"] @ costs.per_token, sums["gen_sq_sum"] @ costs.per_token**2
         lost = decoding * second / (2 * np.maximum(first, 1e-300))
         delay = np.broadcast_to(ro.update_pause_s + (lost if ro.abort_on_update else 0.0), (c_n,)).astype(float)
         run = _run_slots(wb, durations, delay[chosen], remaining_fraction)
@@ -681,16 +728,15 @@ def _evaluate_async(wb: Workbook, split: bool, n1: np.ndarray, n2: np.ndarray, r
     interval, remaining, tail = (np.asarray(little * float(np.median(v / little[chosen]))) for v in
                                  (run.interval_s, run.remaining_s, run.tail_s))
     interval[chosen], remaining[chosen], tail[chosen] = run.interval_s, run.remaining_s, run.tail_s
-    gen_mean, turn_mean = rows.gen.mean(axis=0), rows.turn.mean(axis=0)
-    width = rows.gen.shape[1]
+    gen_mean, turn_mean = sums["gen_mean"], sums["turn_mean"]
+    width = wb.rows.gen.shape[1]
     mean_parts = {
         "decode_s": gen_mean @ costs.per_token,
-        "prefill_s": ((rows.pre_split if split else rows.pre_colocated).sum(axis=1).mean()
-                      + mean_row[split][width:3 * width] @ coefficients[width:3 * width]),
-        "kv_transfer_s": np.full(c_n, rows.transfer.sum(axis=1).mean() if split else 0.0),
+        "prefill_s": sums["prefill_mean"][split] + mean_row[split][width:3 * width] @ coefficients[width:3 * width],
+        "kv_transfer_s": np.full(c_n, sums["transfer_mean"] if split else 0.0),
         "queue_s": turn_mean @ (costs.extra - p.t_over_s),
         "overhead_s": np.full(c_n, turn_mean.sum() * p.t_over_s),
-        "env_s": np.full(c_n, rows.env_turn.sum(axis=1).mean()),
+        "env_s": np.full(c_n, sums["env_mean"]),
     }
     components = {name: per_slot * v for name, v in mean_parts.items()}
     components["slot_wait_s"] = interval - sum(components.values())
@@ -815,7 +861,7 @@ def _feasibility(
         footprint = np.full(len(n1), np.max(p.decode_fraction * wb.alive * wb.stats["ctx_decode"]))
     else:  # asynchronous batches: a constant load of trajectories at every context
         footprint = p.decode_fraction * alive * float(np.max(wb.stats["ctx_decode"]))
-    turns = wb.rows.turn.sum(axis=0)
+    turns = wb.sums["turns"]
     # a prefill worker's work per round over the round's unstalled length, averaged over the turns
     busy = turns @ costs.diagnostics["prefill_utilisation"] / turns.sum()
     diag["prefill_utilisation"] = busy
