@@ -573,19 +573,6 @@ def _pass1(wb: Workbook, split: bool, n1: np.ndarray, n2: np.ndarray) -> tuple[d
     return st, costs, f, coefficients, wb.lead_weights @ np.sort(lead_total, axis=0)
 
 
-def screen(wb: Workbook, split: bool, n1: np.ndarray, n2: np.ndarray | None = None) -> np.ndarray:
-    """(C,) what `evaluate` first ranks configurations by, before it times the `refine` best in
-    full: pass 1's makespan (lock-step batches) or the mean trajectory time at the slots' full load
-    (asynchronous). A function of each configuration alone (no other configuration, nor the
-    remaining share, changes it): the selector searches it for the candidates worth evaluating."""
-    n1 = np.asarray(n1, dtype=float)
-    n2 = np.zeros_like(n1) if n2 is None else np.asarray(n2, dtype=float)
-    if wb.profile.rollout.is_async:
-        load = np.full(len(n1), float(wb.profile.rollout.slots(wb.profile.batch_size)))
-        return _async_pass(wb, split, n1, n2, load)[2]
-    return _pass1(wb, split, n1, n2)[4]
-
-
 def _coefficients(e: EngineProfile, split: bool, costs: _Costs) -> np.ndarray:
     """Per-round coefficients of the sample's matrices [G | CB | CB^2/2 | I]: seconds per generated
     token, the prefill of the reusable context on a miss (per token, per token and cached token), and

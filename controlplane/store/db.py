@@ -41,7 +41,7 @@ INVARIANT_VIOLATION = "PX002"
 APPEND_ONLY = "PX003"
 STALE_FENCE = "PX004"  # 0004: an effect under an older claim's fence than the worker's last
 BAD_EVENT = "PX005"  # 0005: an event the trainer, the rollout or the provider reported is refused
-# character_not_in_repertoire (a NUL in text), untranslatable_character, unsupported Unicode escape
+# character_not_in_repertoire (a NUL in text), untranslatable_character (\u0000 in JSON), invalid_escape_sequence
 TEXT_REFUSED = frozenset({"22021", "22P05", "22025"})
 # CHECK constraints of what the trainer and the rollout report: bad input naming the field.
 EVENT_CONSTRAINTS = {
