@@ -1,6 +1,6 @@
 """The database benchmarks run end to end in their small versions (`--quick`) and print one JSON object
 with the figures they promise: bench/step_claims.py, bench/plan_graph.py, bench/tick_latency.py,
-bench/weight_sync.py.
+bench/weight_sync.py, bench/scale.py.
 
 bench/step_claims.py and bench/weight_sync.py need the `bench` extra (procrastinate, safetensors);
 without it their tests are skipped. Each
@@ -110,3 +110,17 @@ def test_weight_sync(pg_server_url: str) -> None:
         assert size[side]["pearl_checked_mb_per_s"] > 0 and size[side]["ratio_pearl_to_raw"] > 0
     (fleet,) = out["latency"]["redis"]
     assert fleet["servers"] == 2 and 0 < fleet["min_s"] <= fleet["p50_s"] <= fleet["max_s"]
+
+
+def test_scale(pg_server_url: str) -> None:
+    out = run_bench("scale", pg_server_url)
+    assert (out["gpus"], out["agents"], out["agent_processes"], out["workers"]) == (64, 4, 2, 32)
+    # colocated -> split (6 steps a worker, a barrier and a router sync) and back (the same shape)
+    assert out["steps"] == 2 * (6 * 32 + 2)
+    assert out["reports"] == out["steps"] - 2  # every step but the two barriers is reported by an agent
+    assert out["violations"] == 0 and out["agent_errors"] == [] and out["active_after"] == {"colocated": 32}
+    assert out["plan_write_s"] > 0 and out["reconcile_s"] >= max(out["reconcile_each_s"]) > 0
+    assert out["reports_per_s"] > 0 and 0 < out["claim_p50_ms"] <= out["claim_p99_ms"]
+    sane(out["report"], out["reports"])
+    # the agents' connections (one each) and the bench's own, never more than an agent pair each
+    assert 4 <= out["peak_connections"] <= 2 * 4 + 2 and out["status_json_s"] > 0
