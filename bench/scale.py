@@ -1,8 +1,8 @@
 """Scale: a large fleet switched colocated -> split -> colocated by many agents at once, on one PostgreSQL.
 
 Prints one JSON object. A fleet of `--gpus` rollout GPUs (TP2, spread evenly over `--agents` nodes)
-is imported serving colocated. One agent thread per node, each with its own engine of one
-connection (what an agent process holds for its steps), claims its node's ready steps
+is imported serving colocated. One agent thread per node, with two connections of its own as the
+agent has (one for claims and reports, one listening for NOTIFY wake-ups), claims its node's ready steps
 (`plan_store.claim_steps`), enacts each with a zero-latency effect and reports it
 (tests/plan_support.enact: the effect under its claim, then `complete_step`), every step in a
 transaction of its own. Two plans run one after the other: colocated -> a split with a quarter of
@@ -21,7 +21,7 @@ Reported (the keys the scale target is read from):
     .venv/bin/python bench/scale.py [--gpus 4096] [--agents 256] [--database-url URL] [--quick]
 
 Without `--database-url` the run has an embedded server of its own, with room for the agents'
-connections (max_connections 400; a stock server allows 100).
+connections (max_connections 600; a stock server allows 100).
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ from pearl.controlplane.store import invariants, plan_store
 from pearl.controlplane.store.db import make_engine, transaction
 from pearl.controlplane.store.fleet_status import read_fleet_status
 from pearl.controlplane.store.inventory_import import import_inventory
+from pearl.controlplane.store.notifications import listen
 from pearl.controlplane.store.schema import GPU, Node, Plan, Worker
 from pearl.controlplane.store.snapshot import load_snapshot
 from pearl.controlplane.store.transitions import lock_fleet
@@ -54,7 +55,7 @@ sys.path.insert(0, str(REPO / "tests"))
 from plan_support import enact  # noqa: E402  (tests/plan_support.py: an agent with no servers)
 
 TP = 2
-POLL_S = 0.1  # an idle agent's wait before it looks for ready steps again
+POLL_S = 5.0  # an idle agent looks for ready steps again after this, or when NOTIFY wakes it
 CLAIM_LIMIT = 32
 
 
@@ -91,6 +92,12 @@ class Agent(threading.Thread):
     def run(self) -> None:
         engine = make_engine(self.url, pool_size=1, max_overflow=0)
         pending: list[dict[str, Any]] = []
+        wake, node = threading.Event(), str(self.node_id)
+        listener = threading.Thread(target=listen, daemon=True, args=(
+            engine, ("pearl_steps", "pearl_plans"),
+            lambda channel, payload: (channel == "pearl_plans" or payload == node) and wake.set(),
+            self.stop, wake.set))
+        listener.start()
         try:
             while not self.stop.is_set():
                 try:
@@ -108,13 +115,15 @@ class Agent(threading.Thread):
                     if pending:
                         self.claims.append(time.perf_counter() - c0)
                     else:
-                        self.stop.wait(POLL_S)
+                        wake.wait(POLL_S)
+                        wake.clear()
                 except DatabaseUnavailable:  # DatabaseBusy included: nothing was kept, try again
                     self.retries += 1
                     self.stop.wait(0.05)
         except Exception as exc:  # reported in the JSON: a bench run must not hang on one agent's error
             self.errors.append(f"{type(exc).__name__}: {exc}")
         finally:
+            listener.join(timeout=5)
             engine.dispose()
 
 
@@ -176,7 +185,7 @@ def reconcile(engine: Engine, plan_id: int, processes: list[Any], timeout_s: flo
 
 def run(server: BenchServer, gpus: int, agents_n: int, processes_n: int, timeout_s: float) -> dict[str, Any]:
     url = server.pearl_database("bench_scale")
-    engine = make_engine(url, pool_size=2)
+    engine = make_engine(url, pool_size=2, max_overflow=0)
     ctx = mp.get_context("fork")  # before any connection of this process is shared: each child opens its own
     stop, out = ctx.Event(), ctx.Queue()
     processes: list[Any] = []
@@ -265,7 +274,7 @@ def main() -> None:
     if agents_n < 1 or gpus % (agents_n * TP):
         parser.error(f"--gpus: {gpus} must split evenly into --agents {agents_n} nodes of TP{TP} workers")
     t0 = time.perf_counter()
-    with BenchServer(args.database_url) as server:
+    with BenchServer(args.database_url, max_connections=600) as server:
         result = run(server, gpus, agents_n, processes_n, args.timeout_s)
         settings = server.settings()
     print(json.dumps({"bench": "scale", "quick": args.quick, **result, "database": settings, "machine": machine(),
