@@ -47,13 +47,13 @@ GPUS_PER_NODE = 8
 TP = 2
 
 
-def serving_colocated(engine: Engine, gpus: int) -> int:
+def serving_colocated(engine: Engine, gpus: int, gpus_per_node: int = GPUS_PER_NODE) -> int:
     """Import `gpus` rollout GPUs and bring every worker up serving colocated, as a finished plan
     leaves them (through the transition triggers: inactive -> transitioning -> active, GPUs bound).
     Returns the number of workers."""
-    nodes = gpus // GPUS_PER_NODE
+    nodes = gpus // gpus_per_node
     inventory = parse_inventory({"model": "qwen3-8b", "gpu": "h800", "tp": TP, "nodes": [
-        {"name": f"n{i}", "zone": "rollout", "gpus": GPUS_PER_NODE, "address": "127.0.0.1"} for i in range(nodes)]})
+        {"name": f"n{i}", "zone": "rollout", "gpus": gpus_per_node, "address": "127.0.0.1"} for i in range(nodes)]})
     with transaction(engine, actor="bench", reason="fleet serving colocated") as session:
         import_inventory(session, inventory)
         lock_fleet(session)

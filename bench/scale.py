@@ -36,44 +36,24 @@ import time
 from typing import Any
 
 from db_support import REPO, BenchServer, machine, ms
-from pearl.controlplane.core.domain import Activity, GPUState, PlanStatus, Role
+from pearl.controlplane.core.domain import Activity, PlanStatus, Role
 from pearl.controlplane.core.fleet import Target
-from pearl.controlplane.core.inventory import parse_inventory
 from pearl.controlplane.core.orchestrator import orchestrate
 from pearl.controlplane.errors import DatabaseUnavailable
 from pearl.controlplane.store import invariants, plan_store
 from pearl.controlplane.store.db import make_engine, transaction
 from pearl.controlplane.store.fleet_status import read_fleet_status
-from pearl.controlplane.store.inventory_import import import_inventory
 from pearl.controlplane.store.notifications import listen
-from pearl.controlplane.store.schema import GPU, Node, Plan, Worker
+from pearl.controlplane.store.schema import Node, Plan, Worker
 from pearl.controlplane.store.snapshot import load_snapshot
-from pearl.controlplane.store.transitions import lock_fleet
-from sqlalchemy import Engine, func, select, text, update
+from sqlalchemy import Engine, func, select, text
 
 sys.path.insert(0, str(REPO / "tests"))
+from plan_graph import TP, serving_colocated  # noqa: E402  (the fleet every worker serving colocated)
 from plan_support import enact  # noqa: E402  (tests/plan_support.py: an agent with no servers)
 
-TP = 2
 POLL_S = 5.0  # an idle agent looks for ready steps again after this, or when NOTIFY wakes it
 CLAIM_LIMIT = 32
-
-
-def serving_colocated(engine: Engine, gpus: int, nodes: int) -> int:
-    """`gpus` rollout GPUs on `nodes` nodes, every worker serving colocated (as a finished plan
-    leaves them). Returns the number of workers."""
-    per_node = gpus // nodes
-    inventory = parse_inventory({"model": "qwen3-8b", "gpu": "h800", "tp": TP, "nodes": [
-        {"name": f"n{i}", "zone": "rollout", "gpus": per_node, "address": "127.0.0.1"} for i in range(nodes)]})
-    with transaction(engine, actor="bench", reason="fleet serving colocated") as session:
-        import_inventory(session, inventory)
-        lock_fleet(session)
-        session.execute(update(GPU).values(state=GPUState.BOUND, worker_id=GPU.slot_id))
-        session.execute(update(Worker).values(activity=Activity.TRANSITIONING, role=Role.COLOCATED,
-                                              generation=Worker.generation + 1,
-                                              endpoint=func.concat("http://127.0.0.1:1/w", Worker.id)))
-        session.execute(update(Worker).values(activity=Activity.ACTIVE))
-        return session.scalar(select(func.count()).select_from(Worker)) or 0
 
 
 class Agent(threading.Thread):
@@ -191,7 +171,7 @@ def run(server: BenchServer, gpus: int, agents_n: int, processes_n: int, timeout
     processes: list[Any] = []
     monitor_stop = threading.Event()
     try:
-        workers = serving_colocated(engine, gpus, agents_n)
+        workers = serving_colocated(engine, gpus, gpus // agents_n)
         with transaction(engine) as session:
             node_ids = session.scalars(select(Node.id).order_by(Node.id)).all()
         engine.dispose()
@@ -271,6 +251,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a small version for a smoke test (64 GPUs, 4 agents)")
     args = parser.parse_args()
     gpus, agents_n, processes_n = (64, 4, 2) if args.quick else (args.gpus, args.agents, args.processes)
+    if processes_n < 1:
+        parser.error(f"--processes: at least 1, got {processes_n}")
     if agents_n < 1 or gpus % (agents_n * TP):
         parser.error(f"--gpus: {gpus} must split evenly into --agents {agents_n} nodes of TP{TP} workers")
     t0 = time.perf_counter()
