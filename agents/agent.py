@@ -7,8 +7,8 @@ at any instant and a new one carries on. The loop:
   hand; a renewal that finds the claim lost, or the plan no longer applying, stops that step; a
   heartbeat that finds a newer agent of the node (this one was silent long enough to be replaced)
   stops the agent, and `run` raises `NodeTaken` once it has;
-- wakes on NOTIFY (`pearl_steps` for its node, `pearl_plans`), and polls every `poll_s` anyway: the
-  rows are the truth, a notification only a hint;
+- wakes on NOTIFY (its node's channel `pearl_steps_<node id>`, and `pearl_plans`), and polls every
+  `poll_s` anyway: the rows are the truth, a notification only a hint;
 - claims up to `max_steps` ready steps of its node in one statement (`claim_steps`, SKIP LOCKED, at
   most one per worker, none of a worker it is still at work on) and enacts each in a thread of its own
   (`agents.steps`);
@@ -46,7 +46,7 @@ from pearl.controlplane.errors import ClaimLost, DatabaseUnavailable, NodeTaken,
 from pearl.controlplane.services import metrics
 from pearl.controlplane.store import agent_registry, plan_store, reaper, step_effects
 from pearl.controlplane.store.db import transaction
-from pearl.controlplane.store.notifications import listen
+from pearl.controlplane.store.notifications import listen, step_channel
 from pearl.controlplane.store.queries import query
 from pearl.controlplane.store.transitions import lock_fleet
 
@@ -404,15 +404,12 @@ class Agent:
     def _listen(self) -> None:
         """NOTIFY wake-ups (a hint; the rows stay the truth)."""
         assert self.registration is not None
-        node = str(self.registration.node_id)
 
         def woken(channel: str, payload: str) -> None:
-            if channel == "pearl_plans":
-                if payload.endswith(":failed"):
-                    self._plan_changed.set()  # renew at once: a step of a stopped plan stops
-                self._wake.set()  # a plan applied: claim at once, with no heartbeat first
-            elif payload == node:
-                self._wake.set()
+            if channel == "pearl_plans" and payload.endswith(":failed"):
+                self._plan_changed.set()  # renew at once: a step of a stopped plan stops
+            self._wake.set()  # a plan applied or a step of this node ready: claim at once, no heartbeat first
 
         # at start and after a reconnect, look at the rows at once: a wake-up may have been missed
-        listen(self.engine, ("pearl_steps", "pearl_plans"), woken, self._stop, self._wake.set)
+        listen(self.engine, (step_channel(self.registration.node_id), "pearl_plans"), woken, self._stop,
+               self._wake.set)

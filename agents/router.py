@@ -238,10 +238,11 @@ class FrontDoor:
                     try:
                         await self._restart(child)
                     except Exception as exc:  # noqa: BLE001 - whatever it was, stop it and try again later
+                        failed_at = clock()  # the back-off counts from the failure, not from the cleanup
                         await asyncio.to_thread(child.stop)
                         failures[child.mode] += 1
                         wait_s = min(30.0, 2.0 ** failures[child.mode])
-                        next_try[child.mode] = clock() + wait_s
+                        next_try[child.mode] = failed_at + wait_s
                         print(f"front door: router {child.mode}: {type(exc).__name__}: {exc}; trying again in "
                               f"{wait_s:.0f} s", file=sys.stderr, flush=True)
 

@@ -43,7 +43,7 @@ from pearl.controlplane.errors import DatabaseUnavailable
 from pearl.controlplane.store import invariants, plan_store
 from pearl.controlplane.store.db import make_engine, transaction
 from pearl.controlplane.store.fleet_status import read_fleet_status
-from pearl.controlplane.store.notifications import listen
+from pearl.controlplane.store.notifications import listen, step_channel
 from pearl.controlplane.store.schema import Node, Plan, Worker
 from pearl.controlplane.store.snapshot import load_snapshot
 from sqlalchemy import Engine, func, select, text
@@ -72,10 +72,9 @@ class Agent(threading.Thread):
     def run(self) -> None:
         engine = make_engine(self.url, pool_size=1, max_overflow=0)
         pending: list[dict[str, Any]] = []
-        wake, node = threading.Event(), str(self.node_id)
+        wake = threading.Event()
         listener = threading.Thread(target=listen, daemon=True, args=(
-            engine, ("pearl_steps", "pearl_plans"),
-            lambda channel, payload: (channel == "pearl_plans" or payload == node) and wake.set(),
+            engine, (step_channel(self.node_id), "pearl_plans"), lambda channel, payload: wake.set(),
             self.stop, wake.set))
         listener.start()
         try:

@@ -24,7 +24,7 @@ the plan's progress), with how many claims came back empty while steps were read
 pearl's claim ranks every ready step of its node (one step per worker), so it slows as the backlog
 grows; a real plan readies about one step per worker at a time (a node's few workers).
 
-Wake-up: agents (agents/agent.py, over in-process fake servers) wait on LISTEN `pearl_steps`; each
+Wake-up: agents (agents/agent.py, over in-process fake servers) wait on LISTEN `pearl_steps_<node id>`; each
 repetition applies a plan (`plan_store.apply`, what `pearlctl apply` runs) and times the first claim
 of one of its steps, from the call to apply and from the moment it returned. The baseline is a
 LISTEN loop on procrastinate's queue channel: from the call that inserts a job, and from its return,

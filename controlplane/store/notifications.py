@@ -1,7 +1,8 @@
 """Wake-ups by LISTEN/NOTIFY: a hint that rows changed, never the truth (the readers poll too).
 
-Channels: `pearl_steps` (payload: the node id whose step became ready), `pearl_plans` ("<plan
-id>:<status>"), `pearl_signals` (the table the trainer, the rollout or the provider wrote to).
+Channels: `pearl_steps_<node id>` (`step_channel`; payload: the node id, one of whose steps became
+ready: each agent hears its own node's steps only), `pearl_plans` ("<plan id>:<status>"),
+`pearl_signals` (the table the trainer, the rollout or the provider wrote to).
 """
 
 from __future__ import annotations
@@ -15,6 +16,11 @@ from pearl.controlplane.store.db import connect_args, count_error
 from sqlalchemy import Engine
 
 log = logging.getLogger("pearl.notifications")
+
+
+def step_channel(node_id: int) -> str:
+    """The channel on which the steps of node `node_id` that become ready are announced."""
+    return f"pearl_steps_{int(node_id)}"
 
 
 def listen(engine: Engine, channels: Iterable[str], on_notify: Callable[[str, str], None],

@@ -10,7 +10,7 @@ have (or, through a cycle, for itself), or a step addressed to a node its worker
 
 Steps (`StepStatus`; edges in `step_transitions`): written `blocked` with `pending` = how many steps
 they wait for (one `plan_step_deps` row each); on apply those with none become `ready` (the NOTIFY
-trigger wakes their node's agent: channel `pearl_steps`, payload the node id); an agent claims one
+trigger wakes their node's agent: channel `pearl_steps_<node id>`, payload the node id); an agent claims one
 (`claim_steps`, only steps of the applying plan), enacts it, and reports through `finish_step` in the
 same transaction as the end of its effect (`step_effects`): a step succeeds exactly when its effect
 is in the rows, under the claim's fence. A success decrements the pending count of its dependents

@@ -16,7 +16,7 @@ from pearl.controlplane.store.queries import query
 from pearl.controlplane.store.schema import GPU, Fleet, Plan, PlanStep
 from pearl.controlplane.store.snapshot import load_snapshot
 from pearl.controlplane.store.transitions import set_gpu_states
-from plan_support import COLOCATED_3, claim_ready, pin_clock, propose, report, run_plan
+from plan_support import COLOCATED_3, claim_ready, node_id, pin_clock, propose, report, run_plan
 from sqlalchemy import Engine, select, text
 from sqlalchemy.exc import IntegrityError
 
@@ -80,18 +80,21 @@ def test_apply_makes_the_dependency_free_steps_ready_and_wakes_their_nodes(clust
 
     plan_id = propose(cluster_engine)
     url = cluster_engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
+    channels = {f"pearl_steps_{node_id(cluster_engine, node)}": node for node in ("roll-0", "train-0", "spot-0")}
     with psycopg.connect(url, autocommit=True) as listener:
-        listener.execute("LISTEN pearl_steps")
+        for channel in channels:
+            listener.execute(f"LISTEN {channel}")
         applied = plan_store.apply(cluster_engine, plan_id)
-        payloads = {n.payload for n in listener.notifies(timeout=2)}
+        heard = {(n.channel, n.payload) for n in listener.notifies(timeout=2)}
     plan, steps = rows(cluster_engine, plan_id)
     assert plan.status is PlanStatus.APPLYING and plan.applied_at is not None
     ready = [s.key for s in steps if s.status is StepStatus.READY]
     assert sorted(ready) == list(applied.ready) == ["w1.start", "w2.start", "w3.start"]
     assert all(s.status is StepStatus.BLOCKED for s in steps if s.key not in ready)
     assert applied.nodes == ("roll-0", "train-0")
-    node_ids = {str(s.node_id) for s in steps if s.status is StepStatus.READY}
-    assert payloads == node_ids
+    woken = {s.node_id for s in steps if s.status is StepStatus.READY}
+    assert heard == {(f"pearl_steps_{n}", str(n)) for n in woken}  # each node on its own channel only
+    assert {channels[c] for c, _ in heard} == {"roll-0", "train-0"}  # spot-0, with nothing ready, hears nothing
 
 
 def test_a_stale_plan_is_refused_and_nothing_changes(cluster_engine: Engine) -> None:

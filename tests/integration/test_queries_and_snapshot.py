@@ -18,6 +18,7 @@ from pearl.controlplane.core.domain import (
 )
 from pearl.controlplane.store import plan_store
 from pearl.controlplane.store.db import transaction
+from pearl.controlplane.store.notifications import step_channel
 from pearl.controlplane.store.queries import load_queries, query
 from pearl.controlplane.store.schema import Agent, Lease, Plan, PlanStep
 from pearl.controlplane.store.snapshot import load_snapshot
@@ -174,13 +175,14 @@ def test_ready_steps_wake_their_node(cluster_engine: Engine) -> None:
     import psycopg
 
     url = cluster_engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
-    with psycopg.connect(url, autocommit=True) as listener:
-        listener.execute("LISTEN pearl_steps")
-        make_plan(cluster_engine, "roll-0", n_workers=1)
-        notes = list(listener.notifies(timeout=5, stop_after=1))
     with cluster_engine.connect() as conn:
-        node_id = conn.execute(text("SELECT id FROM nodes WHERE name = 'roll-0'")).scalar_one()
-    assert [n.payload for n in notes] == [str(node_id)]
+        ids = {name: id_ for name, id_ in conn.execute(text("SELECT name, id FROM nodes"))}
+    with psycopg.connect(url, autocommit=True) as listener:
+        for other in ids.values():
+            listener.execute(f"LISTEN {step_channel(other)}")
+        make_plan(cluster_engine, "roll-0", n_workers=1)
+        notes = list(listener.notifies(timeout=1))
+    assert [(n.channel, n.payload) for n in notes] == [(f"pearl_steps_{ids['roll-0']}", str(ids["roll-0"]))]
 
 
 def test_snapshot_maps_rows_and_availability(cluster_engine: Engine) -> None:
