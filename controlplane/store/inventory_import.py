@@ -15,7 +15,6 @@ from pearl.controlplane.core.domain import Activity, GPUState, NodeZone, PlanSta
 from pearl.controlplane.core.inventory import Inventory
 from pearl.controlplane.errors import BadInput, PearlError
 from pearl.controlplane.store.schema import GPU, Fleet, Node, Plan, Worker
-from pearl.controlplane.store.transitions import lock_fleet, state_version
 from sqlalchemy import delete, func, select, text
 from sqlalchemy.orm import Session
 
@@ -93,7 +92,7 @@ def import_inventory(session: Session, inventory: Inventory, *, replace: bool = 
     the old nodes with their GPUs, workers, leases and plan steps (the events table keeps their
     history) and is refused (ClusterBusy) while anything is in use.
     """
-    lock_fleet(session)  # importers, and every state writer, out of the way
+    # Serialise importers (and every state writer) on the fleet row.
     fleet = session.execute(select(Fleet).where(Fleet.id == 1).with_for_update()).scalar_one()
     digest = inventory.digest()
     existing_nodes = session.scalar(select(func.count()).select_from(Node)) or 0
@@ -103,7 +102,7 @@ def import_inventory(session: Session, inventory: Inventory, *, replace: bool = 
             existing_nodes,
             inventory.total_gpus,
             session.scalar(select(func.count()).select_from(Worker)) or 0,
-            state_version(session),
+            fleet.state_version,
         )
     outcome: Literal["created", "replaced"] = "created"
     if existing_nodes:
@@ -124,4 +123,4 @@ def import_inventory(session: Session, inventory: Inventory, *, replace: bool = 
     fleet.imported_at = session.scalar(text("SELECT now()"))
     session.flush()
     session.refresh(fleet)
-    return ImportResult(outcome, len(inventory.nodes), n_gpus, n_workers, state_version(session))
+    return ImportResult(outcome, len(inventory.nodes), n_gpus, n_workers, fleet.state_version)

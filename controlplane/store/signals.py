@@ -38,7 +38,7 @@ from pearl.controlplane.store.schema import (
     TrainingStep,
     Worker,
 )
-from pearl.controlplane.store.transitions import hold, lock_fleet, set_gpu_states
+from pearl.controlplane.store.transitions import lock_fleet, set_gpu_states
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
@@ -95,10 +95,8 @@ def borrowed_gpus(session: Session) -> tuple[int, ...]:
 def start_training_if_returned(session: Session) -> int | None:
     """Start the requested training step once no training GPU is borrowed or draining; its step number.
     The agent whose release returned the last borrowed GPU starts it, through the owner's function
-    (`pearl_start_training_if_returned`, 0012; under a lock of its own since 0014, taken after the
-    caller's writes, so of two releases at once the later sees the earlier's GPUs): no agent writes GPUs
-    of another node itself."""
-    hold(session)
+    (`pearl_start_training_if_returned`, 0012): no agent writes GPUs of another node itself."""
+    lock_fleet(session)
     started = session.scalar(select(func.pearl_start_training_if_returned()))
     for obj in list(session.identity_map.values()):  # the function wrote these rows behind the session
         if isinstance(obj, (TrainingStep, GPU)):
