@@ -2,10 +2,11 @@
 
 A fault run is `pearlctl demo`'s run (agents.demo: the embedded PostgreSQL and Redis, the front door,
 an agent and a weight-sync worker per node, the loop, the trainer emulator with steady traffic,
-borrowing plans and weight syncs; the preemptible notice `NOTICE_S`) with one fault injected `at_s`
-wall seconds after the trainer starts, at the first moment after that when a plan applies and a weight
-sync is under way (the row's `detail.at_injection` says what was); a process the fault kills is
-started again a second later, as a supervisor would. The run lasts `steps` training steps and, past
+borrowing plans and weight syncs; the preemptible notice `NOTICE_S`, longer by the outage for the
+partition: `notice_s`) with one fault injected `at_s` wall seconds after the trainer starts, at the
+first moment after that when a plan applies and a weight sync is under way (the row's
+`detail.at_injection` says what was); a process the fault kills is started again a second later, as
+a supervisor would. The run lasts `steps` training steps and, past
 the fault, until the fleet has recovered (or `settle_s` more).
 
   fault               what is done
@@ -76,6 +77,15 @@ if _skew:  # this node's wall clock is off by _skew seconds (agents/faults.py, c
 # a pass, a drain and a release take on a 2-core machine busy with a fault's recovery and other tests
 # (60 s, 6 wall seconds, was late once in CI after the partition); 120 s is 12.
 NOTICE_S = 120.0
+
+
+def notice_s(fault: str, hold_s: float, speed: float) -> float:
+    """The run's preemptible notice in model seconds. The partition's row adds the outage to it: a notice
+    that runs out while no process can reach the database cannot be honoured (the release, and the
+    reaper's revocation at the deadline, are writes), so with the plain notice the row would fail
+    whenever a revocation came in the 12 wall seconds before the freeze; what it holds to zero is what
+    the outage itself loses."""
+    return NOTICE_S + (hold_s * speed if fault == "database_partition" else 0.0)
 RESTART_AFTER_S = 1.0  # a supervisor's pause before it starts a killed process again
 WAIT_BUSY_S = 30.0  # how long past `at_s` a fault waits for a plan applying and a weight sync under way
 
@@ -418,7 +428,7 @@ def run_fault(fault: str, home: Path, *, steps: int = 4, speed: float = 10.0, at
     embedded.start_postgres(home)  # started here, so the run leaves them up for the report
     embedded.start_redis(home)
     config = DemoConfig(speed=speed, steps=None, duration_s=1e6, simulate=False, settings=Settings(home=home),
-                        overrides=(f"cluster.preemptible.notice_s={NOTICE_S:g}",))
+                        overrides=(f"cluster.preemptible.notice_s={notice_s(fault, hold_s, speed):g}",))
     run = FaultRun(config, fault, steps=steps, at_s=at_s, hold_s=hold_s)
     engine = None
     try:

@@ -23,7 +23,7 @@ from typing import Any
 
 from pearl.controlplane.core.telemetry import parse_telemetry
 from pearl.controlplane.errors import BadInput, PearlError
-from pearl.controlplane.store import signals
+from pearl.controlplane.store import plan_store, signals
 from pearl.controlplane.store import weights as weight_rows
 from pearl.controlplane.store.db import make_engine, require_schema, transaction
 from pearl.controlplane.store.schema import TrainingStep
@@ -71,6 +71,8 @@ class ControlPlane:
         t0 = time.monotonic()
         with transaction(self.engine, actor=actor, reason=f"training step {step} begins") as session:
             began = signals.begin_training(session, step)
+            if not began.started:  # borrowing the request overtook is called off (it may start at once then)
+                plan_store.call_off_borrowing(session, f"training step {step} begins: its GPUs are not lent any more")
         borrowed = began.borrowed
         while not began.started:
             with transaction(self.engine) as session:

@@ -46,7 +46,7 @@ from typing import Any
 from pearl.controlplane.core import fleet
 from pearl.controlplane.core.domain import Activity, PlanStatus, StepAction, StepStatus
 from pearl.controlplane.errors import BadInput, PearlError, StalePlan
-from pearl.controlplane.store import step_effects
+from pearl.controlplane.store import signals, step_effects
 from pearl.controlplane.store.db import transaction
 from pearl.controlplane.store.queries import query
 from pearl.controlplane.store.schema import Decision, Node, PlanStepDep, Worker
@@ -547,8 +547,22 @@ def amend_release(session: Session, plan_id: int, workers: set[int], reason: str
         free = session.scalars(select(StepRow.id).where(
             StepRow.plan_id == plan_id, StepRow.status == StepStatus.BLOCKED, StepRow.pending == 0)).all()
         _settle(session, list(free))
+    signals.start_training_if_returned(session)  # a training step waiting for a cancelled start begins
     return Amendment(plan_id, tuple(sorted(r[0] for r in rows)), tuple(sorted(cancelled)),
                      tuple(s.key for s in added))
+
+
+def call_off_borrowing(session: Session, reason: str) -> Amendment | None:
+    """The trainer wants its GPUs: the servers an applying plan is still to start on them are not
+    started (their steps are cancelled; one under way finishes, then gives the GPUs back), in the
+    transaction of the trainer's request. Otherwise the training step could start on GPUs a start then
+    finds taken, failing the plan. None when no such start is left."""
+    lock_fleet(session)
+    overtaken = signals.borrowing_under_way(session)
+    if not overtaken:
+        return None
+    plan_id = session.scalar(select(PlanRow.id).where(PlanRow.status == PlanStatus.APPLYING))
+    return amend_release(session, plan_id, set(overtaken), reason)
 
 
 def abort(engine: Engine, plan_id: int, *, actor: str = "pearlctl apply --abort") -> PlanProgress:

@@ -9,9 +9,11 @@ insert or update wakes the policy loop (NOTIFY `pearl_signals`).
 Training. `begin_training` records that the trainer wants step N to begin (`requested_at`) and sets
 the deadline of every borrowed GPU's lease to that moment: returning them is mandatory and urgent.
 The step starts (`started_at`, its GPUs `training`) the moment no training GPU is borrowed or
-draining any more, in the transaction of the last return (`start_training_if_returned`, called by
-the release step's effect), or at once when nothing was borrowed. `late_s` is how long the returns
-delayed it. `end_training` frees the GPUs for the next loan.
+draining any more and no applying plan is still to start a server on them (a borrowing the trainer's
+request overtook: `plan_store.call_off_borrowing` cancels those starts with the request, an amendment
+releases one already under way), in the transaction of the last return (`start_training_if_returned`,
+called by the release step's effect and by an amendment), or at once when nothing was borrowed.
+`late_s` is how long the returns delayed it. `end_training` frees the GPUs for the next loan.
 
 Preemptible GPUs. A grant makes the node's GPUs (or the listed devices) free and opens a lease; a
 revocation sets the lease's deadline to now + notice: the policy drains and releases the workers on
@@ -26,13 +28,23 @@ import math
 from dataclasses import dataclass
 from datetime import datetime
 
-from pearl.controlplane.core.domain import Activity, GPUState, LeaseKind, NodeZone
+from pearl.controlplane.core.domain import (
+    Activity,
+    GPUState,
+    LeaseKind,
+    NodeZone,
+    PlanStatus,
+    StepAction,
+    StepStatus,
+    WorkerZone,
+)
 from pearl.controlplane.errors import BadInput
 from pearl.controlplane.store.schema import (
     GPU,
     Event,
     Lease,
     Node,
+    Plan,
     PlanStep,
     RolloutProgress,
     TrainingStep,
@@ -95,13 +107,28 @@ def borrowed_gpus(session: Session) -> tuple[int, ...]:
 def start_training_if_returned(session: Session) -> int | None:
     """Start the requested training step once no training GPU is borrowed or draining; its step number.
     The agent whose release returned the last borrowed GPU starts it, through the owner's function
-    (`pearl_start_training_if_returned`, 0012): no agent writes GPUs of another node itself."""
+    (`pearl_start_training_if_returned`, 0012): no agent writes GPUs of another node itself. It does
+    not start while an applying plan is still to start a server on the training GPUs (a start of an
+    overlap worker not yet finished): that start would find them training and fail its plan."""
     lock_fleet(session)
+    if borrowing_under_way(session):
+        return None
     started = session.scalar(select(func.pearl_start_training_if_returned()))
     for obj in list(session.identity_map.values()):  # the function wrote these rows behind the session
         if isinstance(obj, (TrainingStep, GPU)):
             session.expire(obj)
     return started
+
+
+def borrowing_under_way(session: Session) -> list[int]:
+    """The overlap workers an applying plan is still to start (their start blocked, ready or running)."""
+    return list(session.scalars(
+        select(PlanStep.worker_id).distinct().join(Plan, Plan.id == PlanStep.plan_id)
+        .join(Worker, Worker.id == PlanStep.worker_id)
+        .where(Plan.status == PlanStatus.APPLYING, PlanStep.action == StepAction.START,
+               PlanStep.status.in_([StepStatus.BLOCKED, StepStatus.READY, StepStatus.RUNNING]),
+               Worker.zone == WorkerZone.OVERLAP)
+        .order_by(PlanStep.worker_id)))
 
 
 def end_training(session: Session, step: int, *, weights_version: int | None = None,

@@ -163,13 +163,15 @@ def _pass(engine: Engine, *, holder: str, manual: bool, event: str, lease_s: flo
 
 def must_leave(session: Session) -> set[int]:
     """Workers serving on GPUs that must be given back now: borrowed GPUs the trainer wants back (or
-    trains on), and GPUs under a revocation notice."""
+    trains on), with the overlap workers an applying plan is still to start on them, and GPUs under a
+    revocation notice."""
     latest = session.scalars(select(TrainingStep).order_by(TrainingStep.step.desc()).limit(1)).first()
     trainer_wants = latest is not None and latest.ended_at is None
     out: set[int] = set()
     if trainer_wants:
         out |= set(session.scalars(select(Worker.id).where(Worker.zone == WorkerZone.OVERLAP,
                                                            Worker.activity != Activity.INACTIVE)))
+        out |= set(signals.borrowing_under_way(session))  # a start the request overtook is called off
     noticed = select(GPU.slot_id).join(Lease, Lease.gpu_id == GPU.id).where(
         Lease.returned_at.is_(None), Lease.deadline.is_not(None), GPU.zone == NodeZone.PREEMPTIBLE,
         GPU.state.in_([GPUState.BOUND, GPUState.DRAINING]))
@@ -179,14 +181,18 @@ def must_leave(session: Session) -> set[int]:
 
 def _released_by(session: Session, plan_id: int) -> set[int]:
     """Workers the plan leaves released: a release step of theirs will run (or ran) and no start of
-    theirs is still to come (a restart's release does not give the GPUs back for good)."""
+    theirs is still to come (a restart's release does not give the GPUs back for good), or an
+    amendment's release is (it follows whatever of theirs was running; the rest was cancelled)."""
     pending = [StepStatus.BLOCKED, StepStatus.READY, StepStatus.RUNNING]
     released = set(session.scalars(select(PlanStep.worker_id).where(
         PlanStep.plan_id == plan_id, PlanStep.action == StepAction.RELEASE,
         PlanStep.status.in_([*pending, StepStatus.SUCCEEDED]))))
     restarting = set(session.scalars(select(PlanStep.worker_id).where(
         PlanStep.plan_id == plan_id, PlanStep.action == StepAction.START, PlanStep.status.in_(pending))))
-    return released - restarting
+    amended = set(session.scalars(select(PlanStep.worker_id).where(  # an amendment's release follows them all
+        PlanStep.plan_id == plan_id, PlanStep.action == StepAction.RELEASE, PlanStep.key.like("%.amend%"),
+        PlanStep.status.in_([*pending, StepStatus.SUCCEEDED]))))
+    return (released - restarting) | amended
 
 
 def _digest(planned: policy_pass.Planned) -> str:

@@ -11,14 +11,14 @@ import numpy as np
 import pytest
 from pearl.cli.app import app
 from pearl.controlplane.api import ControlPlane, ReturnsLate
-from pearl.controlplane.core.domain import Activity, GPUState, Role
+from pearl.controlplane.core.domain import Activity, GPUState, Role, StepStatus
 from pearl.controlplane.core.fleet import Target
 from pearl.controlplane.errors import BadInput
 from pearl.controlplane.store import plan_store, reaper, signals
 from pearl.controlplane.store.db import transaction
 from pearl.controlplane.store.schema import GPU, Lease, RolloutProgress, TrainingStep, WeightSnapshot, Worker
 from pearl.controlplane.weights import write_snapshot
-from plan_support import import_cluster, propose, run_plan, small_inventory
+from plan_support import claim_ready, import_cluster, propose, report, run_plan, small_inventory
 from sqlalchemy import Engine, func, select, text
 from typer.testing import CliRunner
 
@@ -209,6 +209,71 @@ def test_training_waits_for_borrowed_gpus_and_the_lateness_is_recorded(cp: Contr
         assert all(lease.returned_at is not None and lease.late_s > 0 for lease in leases)
         cycle = session.execute(text("SELECT activation_s, return_s FROM borrow_cycles")).one()
         assert cycle.activation_s >= 0 and cycle.return_s >= 0
+    assert gpu_states(cp.engine, "training") == {GPUState.TRAINING}
+
+
+def plan_status(engine: Engine, plan_id: int) -> str:
+    with transaction(engine) as session:
+        return session.execute(text("SELECT status FROM plans WHERE id = :p"), {"p": plan_id}).scalar_one()
+
+
+def steps_of(engine: Engine, plan_id: int, worker: int) -> dict[str, str]:
+    with transaction(engine) as session:
+        return dict(session.execute(text("SELECT key, status FROM plan_steps WHERE plan_id = :p AND worker_id = :w"),
+                                    {"p": plan_id, "w": worker}).all())
+
+
+def test_a_borrowing_the_trainer_overtook_is_called_off_and_training_starts_at_once(cp: ControlPlane) -> None:
+    serve(cp.engine, {3})
+    plan_id = propose(cp.engine, Target(frozenset({1, 3}), {Role.COLOCATED: 2}))  # worker 1 would borrow
+    plan_store.apply(cp.engine, plan_id)  # its start is ready, no agent has claimed it yet
+    started = cp.training_begin(1, wait_s=0)
+    assert started.started and started.late_s == 0.0
+    assert gpu_states(cp.engine, "training") == {GPUState.TRAINING}
+    assert set(steps_of(cp.engine, plan_id, 1).values()) == {"cancelled"}
+    run_plan(cp.engine, datetime.now(UTC))  # nothing is left to find the GPUs taken: the plan does not fail
+    assert plan_status(cp.engine, plan_id) != "failed"
+    with transaction(cp.engine) as session:
+        assert session.get(Worker, 1).activity is Activity.INACTIVE
+        assert session.scalars(select(Lease).where(Lease.kind == "borrowed")).all() == []
+
+
+def test_a_start_under_way_when_training_begins_finishes_then_gives_the_gpus_back(cp: ControlPlane) -> None:
+    serve(cp.engine, {3})
+    plan_id = propose(cp.engine, Target(frozenset({1, 3}), {Role.COLOCATED: 2}))
+    plan_store.apply(cp.engine, plan_id)
+    now = datetime.now(UTC)
+    (start,) = [s for s in claim_ready(cp.engine, now) if s["worker_id"] == 1]  # an agent is at it
+    with pytest.raises(ReturnsLate):  # training waits for that start: it would find the GPUs taken
+        cp.training_begin(1, wait_s=0)
+    assert gpu_states(cp.engine, "training") == {GPUState.FREE}
+    report(cp.engine, start, StepStatus.SUCCEEDED, now)  # the server is up, on borrowed GPUs
+    assert gpu_states(cp.engine, "training") == {GPUState.BORROWED, GPUState.FREE}  # its GPUs 0, 1
+    run_plan(cp.engine, datetime.now(UTC))  # the amendment's drain, interrupt and release follow the start
+    assert plan_status(cp.engine, plan_id) == "succeeded"
+    assert {k: v for k, v in steps_of(cp.engine, plan_id, 1).items() if ".amend" in k} == {
+        "w1.drain.amend1": "succeeded", "w1.interrupt.amend1": "succeeded", "w1.release.amend1": "succeeded"}
+    with transaction(cp.engine) as session:
+        assert session.get(TrainingStep, 1).started_at is not None
+    assert gpu_states(cp.engine, "training") == {GPUState.TRAINING}
+
+
+def test_a_training_request_written_by_hand_waits_for_the_policy_to_call_the_borrowing_off(
+        cp: ControlPlane, db_engine: Engine) -> None:
+    from pearl.policies.live import tick
+
+    serve(cp.engine, {3})
+    plan_id = propose(cp.engine, Target(frozenset({1, 3}), {Role.COLOCATED: 2}))
+    plan_store.apply(cp.engine, plan_id)
+    with transaction(cp.engine) as session:  # a trainer that writes its rows itself
+        session.execute(text("INSERT INTO training_steps (step, requested_at) VALUES (1, now())"))
+    reaper.reap(cp.engine)  # a pass's reaper does not start it on GPUs a start is about to take
+    assert gpu_states(cp.engine, "training") == {GPUState.FREE}
+    with transaction(cp.engine) as session:
+        assert tick.must_leave(session) == {1}
+    result = tick.tick(cp.engine, holder="test")
+    assert result.amended == plan_id, result
+    assert set(steps_of(cp.engine, plan_id, 1).values()) == {"cancelled"}
     assert gpu_states(cp.engine, "training") == {GPUState.TRAINING}
 
 
