@@ -309,12 +309,22 @@ def _node_gpus(session: Session, node: str, devices: list[int] | None) -> tuple[
 
 def grant_gpus(session: Session, node: str, devices: list[int] | None = None) -> list[int]:
     """The provider granted the node's GPUs (or `devices`): free, each under an open lease. GPUs
-    already granted are left as they are; the ids newly granted are returned."""
+    already granted are left as they are, and a revocation notice still running on one of them is
+    withdrawn (the provider keeps them with us: a trace whose GPUs come back within the notice); a
+    notice that ran out is enforced first, so its GPUs are revoked and granted anew. The ids newly
+    granted or kept are returned."""
     lock_fleet(session)
+    enforce_deadlines(session)
     _, gpus = _node_gpus(session, node, devices)
     granted = [g for g in gpus if g.state in (GPUState.UNAVAILABLE, GPUState.REVOKED)]
+    ids = [g.id for g in gpus if g not in granted]
+    kept = session.scalars(
+        update(Lease).where(Lease.gpu_id.in_(ids), Lease.kind == LeaseKind.PREEMPTIBLE, Lease.returned_at.is_(None),
+                            Lease.deadline.is_not(None))
+        .values(deadline=None).returning(Lease.gpu_id).execution_options(synchronize_session=False)).all()
     if devices is not None:
-        held = [g.device_index for g in gpus if g not in granted and g.state not in (GPUState.FREE, GPUState.BOUND)]
+        held = [g.device_index for g in gpus if g not in granted and g.id not in kept
+                and g.state not in (GPUState.FREE, GPUState.BOUND)]
         if held:
             raise BadInput(f"--gpus: devices {held} of {node} are {sorted({g.state.value for g in gpus})}, "
                            "not unavailable or revoked")
@@ -326,7 +336,7 @@ def grant_gpus(session: Session, node: str, devices: list[int] | None = None) ->
     for g in granted:
         session.add(Lease(gpu_id=g.id, kind=LeaseKind.PREEMPTIBLE, granted_at=now))
     session.flush()
-    return [g.id for g in granted]
+    return sorted([g.id for g in granted] + list(kept))
 
 
 def revoke_gpus(session: Session, node: str, devices: list[int] | None = None, notice_s: float = 0.0) -> list[int]:

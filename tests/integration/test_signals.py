@@ -322,6 +322,41 @@ def test_a_revocation_notice_then_its_deadline_takes_the_gpus_whatever_holds_the
         GPUState.FREE, GPUState.REVOKED}
 
 
+def test_a_grant_within_the_notice_withdraws_it_and_one_after_it_grants_anew(cp: ControlPlane) -> None:
+    """A trace whose GPUs come back while their notice runs (a notice longer than the trace's gap): the
+    provider keeps them with us, the notice is withdrawn, nothing is refused; the workers on them are
+    not taken out of service. Once a notice ran out, a grant finds the GPUs revoked and grants them anew."""
+    spot = cp.gpus_granted("spot-0")
+    serve(cp.engine, {3, 4})  # worker 4 serves on the spot GPUs
+    cp.gpus_revoked("spot-0", [0, 1], notice_s=600)
+    serve(cp.engine, {3})  # its drain is under way: the GPUs are draining, then free, still under notice
+    assert cp.gpus_granted("spot-0", [0, 1]) == spot  # the trace gives them back: kept, not refused
+    with transaction(cp.engine) as session:
+        leases = session.scalars(select(Lease).where(Lease.kind == "preemptible", Lease.returned_at.is_(None))).all()
+        assert len(leases) == 2 and all(lease.deadline is None for lease in leases)
+    assert reaper.reap(cp.engine, now=datetime.now(UTC) + timedelta(seconds=700)).revoked_gpus == ()
+    assert cp.gpus_granted("spot-0", [0, 1]) == []  # nothing new the second time
+    cp.gpus_revoked("spot-0", [0, 1], notice_s=1)
+    with transaction(cp.engine) as session:  # the notice ran out: the grant revokes them first, then grants
+        session.execute(text("UPDATE leases SET deadline = now() - interval '1 s' WHERE deadline IS NOT NULL"))
+    assert cp.gpus_granted("spot-0", [0, 1]) == spot
+    with transaction(cp.engine) as session:
+        rows = session.execute(select(Lease.gpu_id, Lease.returned_at, Lease.deadline).where(
+            Lease.kind == "preemptible").order_by(Lease.id)).all()
+    assert [r.gpu_id for r in rows if r.returned_at is not None] == spot  # the old leases ended at the deadline
+    assert [r.gpu_id for r in rows if r.returned_at is None and r.deadline is None] == spot  # new, open ones
+    assert gpu_states(cp.engine, "preemptible") == {GPUState.FREE}
+    assert invariants_clean(cp.engine)
+
+
+def invariants_clean(engine: Engine) -> bool:
+    from pearl.controlplane.store import invariants
+
+    found = invariants.check(engine).violations
+    assert not found, [v.to_dict() for v in found]
+    return True
+
+
 def test_a_revocation_reported_again_changes_nothing(cp: ControlPlane) -> None:
     """A provider whose report's answer was lost (the database partitioned after the commit) sends the
     revocation again once the GPUs are revoked: nothing to do, no error."""
