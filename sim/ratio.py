@@ -135,7 +135,7 @@ def fit_from_run(prior: Profile, run: StaticRun, warmup: int = WARMUP_STEPS) -> 
 
 def select_config(profile: Profile, workers: int) -> Selection:
     """The predictor's choice for `workers`, nothing running (no hysteresis). No simulated input."""
-    return select(profile, workers, None)
+    return select(profile, workers, None, exhaustive=True)
 
 
 def _simulate(args: tuple[Scenario, Config, int]) -> tuple[tuple[float, ...], float]:

@@ -449,6 +449,9 @@ class Evaluation:
     refined: np.ndarray  # (C,) bool: the time-aware tail pass was applied
     components: dict[str, np.ndarray]  # name -> (C,) along the critical path (refined configs only)
     diagnostics: dict[str, np.ndarray]  # name -> (C,)
+    # the round model's keys the `refine` best were chosen by, one (C,) array per choice, in order
+    # (lock-step: pass 1's makespan; asynchronous: the mean trajectory time of each load iteration)
+    screens: tuple[np.ndarray, ...] = ()
 
     def prediction(self, i: int, config: Config) -> Prediction:
         """The i-th configuration's result as a Prediction."""
@@ -492,12 +495,72 @@ def evaluate(
     if found is None:
         found = _corrected(wb, split, _evaluate(wb, split, n1, n2, remaining_fraction, refine, include))
         for array in (found.makespan_s, found.feasible, found.refined, *found.components.values(),
-                      *found.diagnostics.values()):
+                      *found.diagnostics.values(), *found.screens):
             array.flags.writeable = False
         if len(wb.evaluations) >= EVALUATIONS_KEPT:
             wb.evaluations.clear()
         wb.evaluations[key] = found
     return found
+
+
+SEARCH_GRID = 64  # `search`: the first look at the configurations; fewer than twice this are all evaluated
+
+
+def search(
+    wb: Workbook,
+    split: bool,
+    n1: np.ndarray,
+    n2: np.ndarray | None = None,
+    remaining_fraction: float = 1.0,
+    refine: int = 16,
+    include: tuple[int, ...] = (),
+) -> tuple[np.ndarray, Evaluation]:
+    """`evaluate` of C configurations ordered along one axis (a budget's splits by N_P), searched:
+    the indices evaluated (ascending) and their Evaluation, which holds everything the exhaustive
+    evaluation would choose from.
+
+    The round model's keys (`Evaluation.screens`) are unimodal along N_P: few prefill workers keep
+    decode waiting, few decode workers queue it. A grid of SEARCH_GRID configurations, screened by
+    the first key alone, brackets its smallest; the bracket is evaluated in full, and widened (by at
+    least `refine`, doubling) while one of its ends is among the `refine` best by a key or predicts
+    no worse than the best feasible configuration in it. Past an end that is neither, a unimodal key
+    only grows, and so does the round-model prediction of a configuration the tail model does not
+    re-time: the exhaustive ranking's `refine` best and its best feasible lie inside."""
+    n1 = np.asarray(n1, dtype=float)
+    n2 = np.zeros_like(n1) if n2 is None else np.asarray(n2, dtype=float)
+    c_n, inc = len(n1), np.asarray(include, dtype=int)
+    if c_n < 2 * SEARCH_GRID:
+        return np.arange(c_n), evaluate(wb, split, n1, n2, remaining_fraction, refine, include)
+    grid = np.unique(np.linspace(0, c_n - 1, SEARCH_GRID).round().astype(int))
+    g = int(np.argmin(_screen(wb, split, n1[grid], n2[grid])))
+    lo, hi = int(grid[max(g - 1, 0)]), int(grid[min(g + 1, len(grid) - 1)])
+    while True:
+        idx = np.union1d(np.arange(lo, hi + 1), inc)
+        ev = evaluate(wb, split, n1[idx], n2[idx], remaining_fraction, refine,
+                      tuple(np.searchsorted(idx, inc).tolist()))
+        step = max(refine, hi - lo)
+        wider_lo = lo > 0 and _open_end(ev, int(np.searchsorted(idx, lo)), refine)
+        wider_hi = hi < c_n - 1 and _open_end(ev, int(np.searchsorted(idx, hi)), refine)
+        if not (wider_lo or wider_hi):
+            return idx, ev
+        lo, hi = (max(0, lo - step) if wider_lo else lo), (min(c_n - 1, hi + step) if wider_hi else hi)
+
+
+def _open_end(ev: Evaluation, i: int, refine: int) -> bool:
+    """Whether configuration i of `ev`, an end of the searched bracket, is among the `refine` best by
+    a key or predicts no worse than the best feasible one: then the bracket must widen past it."""
+    if ev.makespan_s[i] <= np.min(ev.makespan_s[ev.feasible], initial=np.inf):
+        return True
+    k = min(refine, len(ev.makespan_s)) - 1
+    return any(key[i] <= np.partition(key, k)[k] for key in ev.screens)
+
+
+def _screen(wb: Workbook, split: bool, n1: np.ndarray, n2: np.ndarray) -> np.ndarray:
+    """The first key `evaluate` ranks by (`Evaluation.screens[0]`), alone."""
+    if wb.profile.rollout.is_async:
+        slots = float(wb.profile.rollout.slots(wb.profile.batch_size))
+        return _async_pass(wb, split, n1, n2, np.full(len(n1), slots))[2]
+    return _pass1(wb, split, n1, n2)[4]
 
 
 def _corrected(wb: Workbook, split: bool, ev: Evaluation) -> Evaluation:
@@ -515,6 +578,7 @@ def _evaluate(wb: Workbook, split: bool, n1: np.ndarray, n2: np.ndarray, remaini
     if wb.profile.rollout.is_async:
         return _evaluate_async(wb, split, n1, n2, remaining_fraction, refine, include)
     st, costs, f, coefficients, makespan = _pass1(wb, split, n1, n2)
+    screen = makespan.copy()
     if refine is None:
         chosen = np.arange(len(n1))
     else:
@@ -556,7 +620,7 @@ def _evaluate(wb: Workbook, split: bool, n1: np.ndarray, n2: np.ndarray, remaini
     remaining = makespan - _elapsed(wb, split, st, costs, remaining_fraction)
     if remaining_fraction < 1 and len(chosen):
         remaining[chosen] = remaining_chosen
-    return _evaluation(remaining, reasons, chosen, components, diagnostics)
+    return _evaluation(remaining, reasons, chosen, components, diagnostics, (screen,))
 
 
 def _pass1(wb: Workbook, split: bool, n1: np.ndarray, n2: np.ndarray) -> tuple[dict, _Costs, np.ndarray, np.ndarray,
@@ -583,7 +647,7 @@ def _coefficients(e: EngineProfile, split: bool, costs: _Costs) -> np.ndarray:
 
 
 def _evaluation(remaining: np.ndarray, reasons: list[str], chosen: np.ndarray, components: dict[str, np.ndarray],
-                diagnostics: dict[str, np.ndarray]) -> Evaluation:
+                diagnostics: dict[str, np.ndarray], screens: tuple[np.ndarray, ...]) -> Evaluation:
     """The Evaluation of C configurations; `chosen` those timed in full (the others by a cheaper pass)."""
     refined = np.zeros(len(reasons), dtype=bool)
     refined[chosen] = True
@@ -594,6 +658,7 @@ def _evaluation(remaining: np.ndarray, reasons: list[str], chosen: np.ndarray, c
         refined=refined,
         components=components,
         diagnostics=diagnostics,
+        screens=screens,
     )
 
 
@@ -694,8 +759,10 @@ def _evaluate_async(wb: Workbook, split: bool, n1: np.ndarray, n2: np.ndarray, r
     weight, mean_row = sums["weight"], sums["mean_row"]
     load = np.full(c_n, float(slots))
     chosen = np.arange(c_n)
+    screens = []
     for _ in range(LOAD_ITERATIONS):
         costs, coefficients, mean_s = _async_pass(wb, split, n1, n2, load)
+        screens.append(mean_s)
         if refine is not None:
             best = np.argsort(mean_s, kind="stable")[:refine]
             chosen = np.union1d(best, np.asarray(include, dtype=int)).astype(int)
@@ -736,7 +803,7 @@ def _evaluate_async(wb: Workbook, split: bool, n1: np.ndarray, n2: np.ndarray, r
         "mean_trajectory_s": mean_s,
     }
     reasons = _feasibility(wb, split, n1, n2, costs, interval, diagnostics, alive=load)
-    return _evaluation(remaining, reasons, chosen, components, diagnostics)
+    return _evaluation(remaining, reasons, chosen, components, diagnostics, tuple(screens))
 
 
 def _boundary(wb: Workbook, remaining_fraction: float) -> tuple[int, float]:

@@ -32,6 +32,7 @@ from pearl.controlplane.core.predictor import (
     makespan_disaggregated_paper,
     predict,
     prepare,
+    search,
 )
 from pearl.controlplane.core.profile import Profile
 from pearl.controlplane.core.switching import DEFAULT_COSTS, SwitchCosts, SwitchDecision, decide_switch, margin
@@ -132,8 +133,11 @@ def select(
     remaining_fraction: float = 1.0,
     horizon_s: float = 0.0,
     refine: int = REFINE,
+    exhaustive: bool = False,
 ) -> Selection:
-    """Rank every candidate for `budget_workers` and choose one (module docstring)."""
+    """Rank the candidates for `budget_workers` and choose one (module docstring). The splits are
+    searched (`predictor.search`: the same choice, the ranking holds the splits it evaluated);
+    `exhaustive` ranks every one of them."""
     if not isinstance(budget_workers, int) or budget_workers < 0:
         raise BadInput(f"budget_workers: must be an integer >= 0, got {budget_workers!r}")
     if not 0 < remaining_fraction <= 1:
@@ -147,7 +151,7 @@ def select(
         )
     reference = _continuation(current, budget_workers) if current is not None else None
     wb = prepare(profile)
-    ranked, exact = _rank(profile, wb, budget_workers, remaining_fraction, refine, reference)
+    ranked, exact = _rank(profile, wb, budget_workers, remaining_fraction, refine, reference, exhaustive)
     feasible = [c for c in ranked if c.feasible]
 
     def outcome(chosen: Config | None, forced: bool, reason: str, decision: SwitchDecision | None = None) -> Selection:
@@ -207,9 +211,10 @@ def _refill_s(profile: Profile, config: Config, remaining_fraction: float) -> fl
 
 
 def _rank(
-    profile: Profile, wb: Workbook, n: int, remaining_fraction: float, refine: int, reference: Config | None
+    profile: Profile, wb: Workbook, n: int, remaining_fraction: float, refine: int, reference: Config | None,
+    exhaustive: bool,
 ) -> tuple[list[Candidate], dict[Config, Prediction]]:
-    """Every candidate, ranked, and the full predictions of those the tail model timed."""
+    """The candidates evaluated, ranked, and the full predictions of those the tail model timed."""
     sym = profile.symbols()
     common = {k: sym[k] for k in ("S", "B", "r", "t_p", "A", "b")} | {"delta_l": sym["dL"]}
     coloc_config = Config.colocated(n)
@@ -220,11 +225,16 @@ def _rank(
     if n >= 2:
         p = np.arange(1, n, dtype=float)
         include = (reference.n_prefill - 1,) if reference is not None and reference.n_prefill else ()
-        split = evaluate(wb, True, p, n - p, remaining_fraction, refine=refine, include=include)
+        if exhaustive:
+            idx = np.arange(n - 1)
+            split = evaluate(wb, True, p, n - p, remaining_fraction, refine=refine, include=include)
+        else:
+            idx, split = search(wb, True, p, n - p, remaining_fraction, refine=refine, include=include)
         papers = makespan_disaggregated_paper(
-            N_P=p, N_D=n - p, theta=profile.theta, K=profile.K, BW=profile.BW, T_env=profile.T_env, **common
-        ).tolist()
-        configs = _splits(n)
+            N_P=p[idx], N_D=n - p[idx], theta=profile.theta, K=profile.K, BW=profile.BW, T_env=profile.T_env,
+            **common).tolist()
+        every = _splits(n)
+        configs = [every[i] for i in idx.tolist()]
         rows = zip(
             configs,
             split.makespan_s.tolist(),

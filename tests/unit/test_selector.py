@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from pearl.controlplane.core.catalog import default_catalog
 from pearl.controlplane.core.domain import Mode
 from pearl.controlplane.core.perfmodel import PerfModel
-from pearl.controlplane.core.predictor import Config, predict
+from pearl.controlplane.core.predictor import SEARCH_GRID, Config, predict
 from pearl.controlplane.core.profile import MODEL_ERROR, profile_from_workload
 from pearl.controlplane.core.selector import _continuation, candidates_for, select
 from pearl.controlplane.core.switching import RATIO_ERROR, SwitchCosts
@@ -215,3 +215,62 @@ def test_selection_properties(which, budget, current, costs, horizon_s, remainin
         assert free.chosen != reference
     elif reference != s.best:
         assert s.decision is not None and not s.decision.switch  # kept by hysteresis, with the numbers
+
+
+# -- the searched ranking --------------------------------------------------------------------------
+
+
+def _search_profiles():
+    """Lock-step and asynchronous batches; a prefill-heavy workload (its screen has a plateau far
+    from the best); a small KV cache (splits with few decode workers infeasible)."""
+    cat = default_catalog()
+    perf = PerfModel(cat.model("qwen3-8b"), cat.gpu("h800"), 2)
+    out = []
+    for name in ("paper-qwen3-8b-seg1.yaml", "prefill-heavy-qwen3-8b-dedicated16.yaml"):
+        sc = load_scenario(SCENARIOS / name)
+        for rollout in (None, sc.training.rollout()):
+            out.append(profile_from_workload(sc.workload, perf, rollout=rollout))
+    small = replace(out[0], engine=replace(out[0].engine, kv_capacity_tokens=120_000))
+    return (*out, small, replace(small, rollout=out[1].rollout))
+
+
+SEARCH_PROFILES = _search_profiles()
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.sampled_from(range(len(SEARCH_PROFILES))),
+    st.integers(2 * SEARCH_GRID + 1, 700),
+    st.sampled_from(["none", "colocated", "quarter", "one", "most"]),
+    switch_costs(),
+    st.floats(0.0, 7200.0),
+    st.sampled_from([1.0, 0.6, 0.2]),
+)
+def test_the_search_chooses_what_the_exhaustive_ranking_chooses(which, budget, shape, costs, horizon_s, remaining):
+    profile = SEARCH_PROFILES[which]
+    n = budget
+    current = {"none": None, "colocated": Config.colocated(n), "quarter": Config.split(n // 4, n - n // 4),
+               "one": Config.split(1, n - 1), "most": Config.split(n - 2, 2)}[shape]
+    kw = {"costs": costs, "horizon_s": horizon_s, "remaining_fraction": remaining}
+    searched = select(profile, n, current, **kw)
+    every = select(profile, n, current, exhaustive=True, **kw)
+    assert (searched.chosen, searched.best, searched.forced, searched.reason) == (
+        every.chosen, every.best, every.forced, every.reason)
+    # what the search evaluated it evaluated as the exhaustive ranking did (to the last bits of a
+    # matrix product over a different number of columns), and far fewer of them
+    exhaustive = {c.config: c for c in every.candidates}
+    for c in searched.candidates:
+        e = exhaustive[c.config]
+        assert (c.feasible, c.reason, c.refined) == (e.feasible, e.reason, e.refined)
+        assert c.predicted_s == pytest.approx(e.predicted_s, rel=1e-9) and c.paper_s == pytest.approx(e.paper_s)
+    assert searched.prediction.makespan_s == pytest.approx(every.prediction.makespan_s, rel=1e-9)
+    assert len(searched.candidates) < len(every.candidates) / 2
+
+
+def test_the_search_at_4096_gpus_evaluates_few_splits_and_the_current_one():
+    profile = SEARCH_PROFILES[1]
+    current = Config.split(384, 1152)
+    s = select(profile, 2048, current, horizon_s=3600.0)
+    assert s.chosen == select(profile, 2048, current, horizon_s=3600.0, exhaustive=True).chosen
+    assert len(s.candidates) <= 4 * SEARCH_GRID
+    assert Config.split(512, 1536) in {c.config for c in s.candidates}  # the current shape at the new count
