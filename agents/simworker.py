@@ -93,10 +93,11 @@ class SimState:
     ready_at: float = 0.0  # simulated time (of its engine's clock) it finishes starting
     weights_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     weights_checksum: str | None = None  # manifest_digest of `tensors` (None: the initial weights)
-    tensors: dict[str, dict[str, Any]] = field(default_factory=dict)  # the weights: name -> dtype, shape, sha256
+    tensors: dict[str, dict[str, Any]] = field(default_factory=dict)  # the weights: name -> dtype, shape, checksum
     weight_loads: int = 0  # snapshots (or broadcasts) taken since the start
     groups: dict[str, Any] = field(default_factory=dict)  # weight-update groups joined (name -> process group)
     hashing: list[Any] = field(default_factory=list)  # the received buckets' digests, being computed
+    receive_buffers: Any = None  # broadcast.ReceiveBuffers, made with the first bucket
     decode_graphs: bool = False  # decode CUDA graphs captured (launched as decode, or flipped to decode once)
 
     def flushable(self, after_update: bool = False) -> bool:
@@ -509,19 +510,21 @@ def build_app(state: SimState) -> web.Application:
         if body.get("load_format") != LOAD_FORMAT:
             return web.json_response({"success": False, "message": f"load_format {body.get('load_format')!r}: "
                                       f"this server receives only {LOAD_FORMAT!r} buckets"}, status=400)
-        from pearl.controlplane.weights.broadcast import receive_bucket, tensor_digests
+        from pearl.controlplane.weights.broadcast import ReceiveBuffers, receive_bucket, tensor_digests
 
         async with state.weights_lock:
             if body.get("abort_all_requests"):
                 rt.interrupt("Aborted by update_weights_from_distributed")
             try:
+                state.receive_buffers = state.receive_buffers or ReceiveBuffers()
                 tensors = await asyncio.to_thread(receive_bucket, pg, list(body["names"]), list(body["dtypes"]),
-                                                  [list(s) for s in body["shapes"]])
+                                                  [list(s) for s in body["shapes"]], state.receive_buffers)
             except (SnapshotError, TypeError, ValueError) as exc:
                 return web.json_response({"success": False, "message": f"Failed to update parameter online: {exc}. "
                                           f"Kept version {state.weight_version}."}, status=400)
             # hashed beside the next bucket's transfer; folded in, in order, before a version is taken
-            state.hashing.append(asyncio.get_running_loop().run_in_executor(None, tensor_digests, tensors))
+            state.hashing.append(asyncio.get_running_loop().run_in_executor(None, tensor_digests, tensors,
+                                                                            state.receive_buffers))
             message = f"Succeeded to update parameter online ({len(tensors)} tensors)."
             if body.get("weight_version") is not None:
                 for pending in state.hashing:

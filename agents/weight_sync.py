@@ -1,7 +1,7 @@
 """Bringing one worker's server to one weights version: the body of the weight-sync task.
 
     begin      the sync row -> running (or nothing to do: done, superseded, the worker left service)
-    check      the snapshot's manifest on disk is the one registered (sha256 per tensor)
+    check      the snapshot's manifest on disk is the one registered (a checksum per tensor)
     pause      `pause_generation` (retract: requests in flight run again on the new weights)
     load       `update_weights_from_disk` with the version (the server checks every tensor against the
                manifest and refuses a corrupt snapshot naming the tensor, keeping its old weights);
@@ -58,7 +58,7 @@ class SyncOutcome:
 
 
 def _check_files(job: rows.SyncJob) -> None:
-    """The snapshot on disk is the one registered: each tensor's sha256 (the manifest), dtype and shape
+    """The snapshot on disk is the one registered: each tensor's checksum (the manifest), dtype and shape
     (the safetensors headers), without reading the tensors (the server reads and checks them)."""
     path = snapshot_path(job.uri)
     try:

@@ -3,13 +3,13 @@ training step's end to every worker on the new version.
 
 1. Throughput, for each size (100 MB and 1 GB of bf16 tensors; `--quick`: 16 MB), in one run:
    - `snapshot_load`: pearl's check of a snapshot (`controlplane/weights/files.py`, `load_snapshot`:
-     reads every tensor and checks its sha256 against the manifest), beside a raw safetensors load
+     reads every tensor and checks its BLAKE3 checksum against the manifest), beside a raw safetensors load
      of the same file (`safetensors.torch.load` of its bytes: every byte read, no checks; the
      `bench` extra), and their ratio (raw time / pearl time). Both read a
      file just written (the page cache is warm for both).
    - `broadcast`: pearl's bucketed broadcast (`controlplane/weights/broadcast.py`: pack the buckets,
-     gloo broadcast of each flattened bucket as SGLang receives it, the simulated server's sha256 of
-     every received tensor), beside a raw
+     gloo broadcast of each flattened bucket as SGLang receives it, the simulated server's BLAKE3
+     checksum of every received tensor), beside a raw
      `torch.distributed.broadcast` of the same tensors one by one (no packing, no checks), to one
      receiving process on this machine, and their ratio (raw time / pearl time).
 2. Latency: the wall time from `training_end` (snapshot checked, registered, syncs queued and sent)
@@ -41,8 +41,10 @@ from db_support import REPO, BenchServer, machine
 sys.path.insert(0, str(REPO / "tests"))
 from pearl.controlplane.weights import write_snapshot  # noqa: E402
 from pearl.controlplane.weights.broadcast import (  # noqa: E402
+    ReceiveBuffers,
     join_group,
     layout,
+    leave_group,
     packed,
     receive_bucket,
     send_packed,
@@ -100,12 +102,13 @@ def _receiver(port: int, nbytes: int, repeat: int, names: list[tuple[str, int]],
     import torch.distributed as dist
 
     pg = join_group("127.0.0.1", port, 1, 2, timeout_s=300)
+    buffers = ReceiveBuffers()
     opts = dist.BroadcastOptions()
     opts.rootRank = 0
     for _ in range(repeat):
         with concurrent.futures.ThreadPoolExecutor(2) as hashing:  # pearl: as the simulated server, every
-            digests = [hashing.submit(tensor_digests, receive_bucket(pg, *bucket))  # tensor's sha256 beside
-                       for bucket in spec]  # the next bucket's transfer
+            digests = [hashing.submit(tensor_digests, receive_bucket(pg, *bucket, buffers),  # tensor's checksum
+                                      buffers) for bucket in spec]  # beside the next bucket's transfer
             for digest in digests:
                 digest.result()
         pg.barrier().wait()
@@ -113,6 +116,7 @@ def _receiver(port: int, nbytes: int, repeat: int, names: list[tuple[str, int]],
             buf = torch.empty(n, dtype=torch.bfloat16)
             pg.broadcast([buf], opts).wait()
         pg.barrier().wait()
+    leave_group(pg)
     done.set()
 
 
@@ -120,7 +124,7 @@ def broadcast(state: dict[str, Any], nbytes: int, repeat: int, bucket_mb: int) -
     import torch.distributed as dist
 
     buckets = layout(state, bucket_mb * MB)
-    checksums = {n: sha for b in buckets for n, sha in zip(b.names, b.sha256, strict=True)}
+    checksums = {n: sha for b in buckets for n, sha in zip(b.names, b.checksums, strict=True)}
     spec = [(b.names, b.dtypes, b.shapes) for b in buckets]
     names = [(name, t.numel()) for name, t in state.items()]
     with contextlib.closing(__import__("socket").socket()) as s:
@@ -135,9 +139,10 @@ def broadcast(state: dict[str, Any], nbytes: int, repeat: int, bucket_mb: int) -
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         pearl, raw = [], []
+        spare: list[Any] = []  # the sync group's packing buffers, kept from one version to the next
         for _ in range(repeat):
             t = time.perf_counter()
-            for buf in packed(layout(state, bucket_mb * MB, checksums)):  # the trainer knows the manifest's sha256
+            for buf in packed(layout(state, bucket_mb * MB, checksums), spare):  # the manifest's checksums
                 send_packed(pg, buf)
             pg.barrier().wait()  # the receiver hashed every tensor
             pearl.append(time.perf_counter() - t)
@@ -146,6 +151,7 @@ def broadcast(state: dict[str, Any], nbytes: int, repeat: int, bucket_mb: int) -
                 pg.broadcast([tensor], opts).wait()
             pg.barrier().wait()
             raw.append(time.perf_counter() - t)
+        leave_group(pg)  # the next size makes a group of the same name
     finally:
         proc.join(120)
         if proc.is_alive():

@@ -255,7 +255,7 @@ class TrainingStep(Base):
 
 class WeightSnapshot(Base):
     """A weights version the trainer produced (0007): where its files are and their manifest (name ->
-    dtype, shape, sha256). The payload stays outside the database; the files matched the manifest
+    dtype, shape, checksum). The payload stays outside the database; the files matched the manifest
     when it was registered."""
 
     __tablename__ = "weight_snapshots"

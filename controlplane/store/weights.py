@@ -1,7 +1,7 @@
 """Weight snapshots and weight syncs as rows (0007): the state of weight propagation lives here.
 
 A snapshot row is a weights version the trainer produced: where its files are and its manifest
-(tensor -> dtype, shape, sha256), registered with the training step's end once the files matched
+(tensor -> dtype, shape, checksum), registered with the training step's end once the files matched
 it (`controlplane.weights.check_snapshot`). A sync row is bringing one worker's server to one
 version, one per (worker, version): `queued` when the version is registered, `running` while a task
 (or a retry of it) works on it, then `done`, `failed` (with the error) or `superseded` (a newer

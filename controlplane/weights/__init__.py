@@ -6,7 +6,7 @@
     # = write_snapshot(...) then ControlPlane().training_end(7, weights_version=8, snapshot=...)
 
 A snapshot is a directory of safetensors and a `manifest.json` (each tensor's dtype, shape and
-sha256; `controlplane/weights/files.py`). `training_end` registers it (`controlplane/store/weights.py`)
+BLAKE3 checksum; `controlplane/weights/files.py`). `training_end` registers it (`controlplane/store/weights.py`)
 only when its files match the manifest: a mismatch is refused naming the tensor, and nothing is
 written. Then one sync per serving worker goes to its node's queue (`controlplane/weights/dispatch.py`).
 """
@@ -91,7 +91,7 @@ def publish_weights(state_dict: dict[str, Any], directory: str | Path, *, step: 
     snap = write_snapshot(state_dict, directory, version=version, model_dir=model_dir)
     delivered: dict[int, str] = {}
     if group is not None:
-        results = group.broadcast(state_dict, version, {n: t.sha256 for n, t in snap.info.items()})
+        results = group.broadcast(state_dict, version, {n: t.checksum for n, t in snap.info.items()})
         delivered = {w: group.members[w] for w, error in results.items() if error is None}
     own = cp is None
     cp = cp or ControlPlane()

@@ -17,8 +17,9 @@ simulated one:
   carries `weight_version` and `flush_cache`: a server takes the new version once it has every bucket.
 - The check: SGLang does not verify what arrives. After the last bucket the trainer reads each
   server's `/model_info`; a server that reports `weights_checksum` (the simulated server does: the
-  digest of the sha256 of every tensor it received) must report the digest of the registered
-  checksums, or it is not counted as synced. A server that reports none (stock SGLang) is counted
+  digest of the BLAKE3 checksum of every tensor it received, computed beside the next bucket's
+  transfer, which it keeps up with) must report the digest of the registered checksums, or it is
+  not counted as synced. A server that reports none (stock SGLang) is counted
   on the collective's success.
 
 `SyncGroup.broadcast` says which servers took the version; `publish_weights(..., group=...)` records
@@ -30,9 +31,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import datetime
-import hashlib
 import math
 import socket
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,6 +46,7 @@ from pearl.controlplane.weights.files import (
     SnapshotError,
     manifest_digest,
     tensor_bytes,
+    tensor_checksum,
 )
 
 DEFAULT_BUCKET_BYTES = 64 * 1024 * 1024
@@ -96,7 +98,7 @@ class Bucket:
     dtypes: list[str]  # torch's dtype names, as SGLang takes them
     shapes: list[list[int]]
     data: list[memoryview]
-    sha256: list[str]
+    checksums: list[str]  # `files.tensor_checksum` of each tensor
 
     @property
     def nbytes(self) -> int:
@@ -106,12 +108,12 @@ class Bucket:
 def layout(state_dict: dict[str, Any], bucket_bytes: int = DEFAULT_BUCKET_BYTES,
            checksums: dict[str, str] | None = None) -> list[Bucket]:
     """The buckets of `state_dict`, each at most `bucket_bytes` (a larger tensor alone), each ordered
-    by element size, largest first. `checksums`: the registered sha256 per tensor (default: computed
+    by element size, largest first. `checksums`: the registered checksum per tensor (default: computed
     here)."""
     entries = []
     for name, tensor in state_dict.items():
         dtype, shape, data = tensor_bytes(tensor)
-        sha = (checksums or {}).get(name) or hashlib.sha256(data).hexdigest()
+        sha = (checksums or {}).get(name) or tensor_checksum(data)
         entries.append((name, dtype, shape, data, sha))
     groups: list[list[tuple[str, str, list[int], memoryview, str]]] = [[]]
     size = 0
@@ -131,17 +133,17 @@ def layout(state_dict: dict[str, Any], bucket_bytes: int = DEFAULT_BUCKET_BYTES,
 
 def expected_checksum(buckets: list[Bucket]) -> str:
     """What a server that took every bucket reports as its `weights_checksum`."""
-    return manifest_digest({n: {"dtype": TORCH_DTYPES[dtype], "shape": shape, "sha256": sha} for b in buckets
-                            for n, dtype, shape, sha in zip(b.names, b.dtypes, b.shapes, b.sha256, strict=True)})
+    return manifest_digest({n: {"dtype": TORCH_DTYPES[dtype], "shape": shape, "checksum": sha} for b in buckets
+                            for n, dtype, shape, sha in zip(b.names, b.dtypes, b.shapes, b.checksums, strict=True)})
 
 
-def _pack(bucket: Bucket) -> Any:
+def _pack(bucket: Bucket, into: Any = None) -> Any:
     import torch
 
     if len(bucket.data) == 1:  # one tensor: sent from its own memory, no copy
         data = bucket.data[0]
         return torch.frombuffer(data, dtype=torch.uint8) if data.nbytes else torch.empty(0, dtype=torch.uint8)
-    buf = torch.empty(bucket.nbytes, dtype=torch.uint8)
+    buf = into[:bucket.nbytes] if into is not None else torch.empty(bucket.nbytes, dtype=torch.uint8)
     view = buf.numpy()
     at = 0
     for data in bucket.data:
@@ -150,15 +152,27 @@ def _pack(bucket: Bucket) -> Any:
     return buf
 
 
-def packed(buckets: list[Bucket]) -> Iterator[Any]:
+def packed(buckets: list[Bucket], spare: list[Any] | None = None) -> Iterator[Any]:
     """Each bucket as the flat byte tensor it is sent as, the next one packed (in a thread) while the
-    caller sends this one."""
+    caller sends this one. Buckets of several tensors are packed into two buffers kept for the whole
+    broadcast, in turn (a fresh buffer per bucket faults its pages in every time, which cost more
+    than the copy): a bucket's buffer is packed again once the caller asks for the bucket after the
+    next, so the caller is done sending a bucket when it asks for the next one. `spare`: the two
+    buffers, kept by the caller from one broadcast to the next (replaced here when too small)."""
+    import torch
+
+    size = max((b.nbytes for b in buckets if len(b.data) > 1), default=0)
+    spare = spare if spare is not None else []
+    if size and (len(spare) != 2 or any(buf.numel() < size for buf in spare)):
+        spare[:] = [torch.empty(size, dtype=torch.uint8) for _ in range(2)]
+    elif not size:
+        spare = [None, None]
     with concurrent.futures.ThreadPoolExecutor(1) as packer:
-        ahead = packer.submit(_pack, buckets[0]) if buckets else None
+        ahead = packer.submit(_pack, buckets[0], spare[0]) if buckets else None
         for k in range(len(buckets)):
             assert ahead is not None
             buf = ahead.result()
-            ahead = packer.submit(_pack, buckets[k + 1]) if k + 1 < len(buckets) else None
+            ahead = packer.submit(_pack, buckets[k + 1], spare[(k + 1) % 2]) if k + 1 < len(buckets) else None
             yield buf
 
 
@@ -168,18 +182,50 @@ def send_packed(pg: Any, buf: Any) -> int:
     return buf.numel()
 
 
-def tensor_digests(tensors: list[tuple[str, str, list[int], memoryview]]) -> dict[str, dict[str, Any]]:
+def tensor_digests(tensors: list[tuple[str, str, list[int], memoryview]],
+                   buffers: ReceiveBuffers | None = None) -> dict[str, dict[str, Any]]:
     """What a receiver that checks records of a received bucket: name -> dtype (safetensors'), shape,
-    sha256 (hashlib releases the GIL: this runs beside the next bucket's transfer)."""
-    return {name: {"dtype": TORCH_DTYPES[dtype], "shape": shape, "sha256": hashlib.sha256(data).hexdigest()}
-            for name, dtype, shape, data in tensors}
+    checksum (BLAKE3 releases the GIL: this runs beside the next bucket's transfer). The bucket's
+    buffer then goes back to `buffers`."""
+    out = {name: {"dtype": TORCH_DTYPES[dtype], "shape": shape, "checksum": tensor_checksum(data)}
+           for name, dtype, shape, data in tensors}
+    if buffers is not None:
+        buffers.give(tensors)
+    return out
 
 
-def receive_bucket(pg: Any, names: list[str], dtypes: list[str],
-                   shapes: list[list[int]]) -> list[tuple[str, str, list[int], memoryview]]:
+class ReceiveBuffers:
+    """Byte buffers a receiver takes its buckets into and gives back once it has checked them: a
+    fresh buffer per bucket faults its pages in while the collective writes it."""
+
+    def __init__(self, keep: int = 3) -> None:
+        self._free: list[Any] = []
+        self._keep = keep
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> Any:
+        import numpy as np
+
+        with self._lock:
+            for i, arr in enumerate(self._free):
+                if arr.nbytes >= nbytes:
+                    return self._free.pop(i)
+        return np.empty(nbytes, dtype=np.uint8)
+
+    def give(self, tensors: list[tuple[str, str, list[int], memoryview]]) -> None:
+        """Give back the buffer a bucket's tensors (`receive_bucket`'s answer) were received into."""
+        arr = tensors[0][3].obj if tensors else None
+        with self._lock:
+            if arr is not None and len(self._free) < self._keep and all(a is not arr for a in self._free):
+                self._free.append(arr)
+
+
+def receive_bucket(pg: Any, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                   buffers: ReceiveBuffers | None = None) -> list[tuple[str, str, list[int], memoryview]]:
     """A server rank: receive one flattened bucket as SGLang does (`FlattenedTensorBucket.empty`: a
     negative dimension or a tensor not aligned to its dtype is refused before anything is received);
-    (name, torch dtype, shape, bytes) per tensor."""
+    (name, torch dtype, shape, bytes) per tensor, into a buffer of `buffers` when given."""
+    import numpy as np
     import torch
 
     if not (len(names) == len(dtypes) == len(shapes)) or not names:
@@ -198,9 +244,9 @@ def receive_bucket(pg: Any, names: list[str], dtypes: list[str],
         size = math.prod(int(d) for d in shape) * itemsize
         spans.append((name, dtype, [int(d) for d in shape], offset, size))
         offset += size
-    buf = torch.empty(offset, dtype=torch.uint8)
-    _broadcast(pg, buf).wait()
-    view = memoryview(buf.numpy())
+    arr = buffers.take(offset) if buffers is not None else np.empty(offset, dtype=np.uint8)
+    _broadcast(pg, torch.from_numpy(arr[:offset])).wait()
+    view = memoryview(arr)
     return [(name, dtype, shape, view[at:at + size]) for name, dtype, shape, at, size in spans]
 
 
@@ -219,6 +265,7 @@ class SyncGroup:
     tp: dict[int, int] = field(default_factory=dict)
     token: str | None = field(default=None, repr=False)  # the control token (the servers' admin API key)
     pg: Any = field(default=None, repr=False)
+    _spare: list[Any] = field(default_factory=list, repr=False)  # `packed`'s buffers, kept between versions
 
     @property
     def world_size(self) -> int:
@@ -301,7 +348,7 @@ class SyncGroup:
         if self.pg is None:
             raise SnapshotError(f"sync group {self.name}: not set up")
         buckets = layout(state_dict, self.bucket_bytes, checksums)
-        for k, (bucket, buf) in enumerate(zip(buckets, packed(buckets), strict=True)):
+        for k, (bucket, buf) in enumerate(zip(buckets, packed(buckets, self._spare), strict=True)):
             last = k == len(buckets) - 1
             self._post_all("/update_weights_from_distributed",
                            lambda w, b=bucket, last=last: self.bucket_body(b, version, last))

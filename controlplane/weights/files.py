@@ -1,9 +1,12 @@
 """Weight snapshots on disk: safetensors file(s) and a checksum manifest, read, checked and written.
 
 A snapshot is a directory of `*.safetensors` files (or one such file). When the directory holds a
-`manifest.json` of the form `{"tensors": {"<name>": "<sha256 of the tensor's bytes>", ...},
+`manifest.json` of the form `{"tensors": {"<name>": "<checksum of the tensor's bytes>", ...},
 "meta": {"<name>": {"dtype": "BF16", "shape": [...]}, ...}}` ("meta" optional), every tensor it
-names must be present with that checksum (and that dtype and shape). The control plane registers a
+names must be present with that checksum (and that dtype and shape). A checksum is
+`blake3:<hex>` (BLAKE3, what pearl writes: cryptographic like SHA-256 and about five times faster
+here, so a receiver's check keeps up with a broadcast) or a bare SHA-256 hex digest (snapshots
+written before; still read and checked). The control plane registers a
 snapshot's manifest as rows (`controlplane.store.weights`) only once its files match it. The simulated
 server checks a snapshot this way before it takes it (`update_weights_from_disk`, or `--model-path` at
 start), so a torn or corrupt snapshot is refused with the name of the tensor at fault and the old
@@ -24,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import blake3
 from pearl.controlplane.errors import PearlError
 
 MANIFEST = "manifest.json"
@@ -48,15 +52,33 @@ class Snapshot:
     info: dict[str, TensorInfo] = field(default_factory=dict, compare=False, repr=False)
 
     def manifest(self) -> dict[str, dict[str, Any]]:
-        """name -> {dtype, shape, sha256}: what the control plane registers."""
-        return {n: {"dtype": t.dtype, "shape": list(t.shape), "sha256": t.sha256} for n, t in sorted(self.info.items())}
+        """name -> {dtype, shape, checksum}: what the control plane registers."""
+        return {n: {"dtype": t.dtype, "shape": list(t.shape), "checksum": t.checksum}
+                for n, t in sorted(self.info.items())}
 
 
 @dataclass(frozen=True)
 class TensorInfo:
     dtype: str
     shape: tuple[int, ...]
-    sha256: str
+    checksum: str  # `tensor_checksum`'s form
+
+
+BLAKE3 = "blake3:"
+_CHUNK = 16 * 1024 * 1024
+
+
+def tensor_checksum(data: Any, like: str | None = None) -> str:
+    """A tensor's bytes' checksum: `blake3:<hex>`, or a bare SHA-256 hex digest when `like` is one (a
+    snapshot written before BLAKE3). Both release the GIL while they hash."""
+    if like is not None and not like.startswith(BLAKE3):
+        return hashlib.sha256(data).hexdigest()
+    return BLAKE3 + blake3.blake3(data).hexdigest()
+
+
+def entry_checksum(entry: dict[str, Any]) -> str:
+    """The checksum of a registered manifest entry (`checksum`; `sha256` in manifests registered before)."""
+    return str(entry["checksum"] if "checksum" in entry else entry["sha256"])
 
 
 def _files(path: Path) -> list[Path]:
@@ -90,7 +112,7 @@ def _header(f: Any, file: Path) -> tuple[dict[str, Any], int]:
 
 def disk_digest(model_path: str | Path) -> str:
     """The snapshot's `manifest_digest` as its files say now, without reading the tensors' data: each
-    tensor's sha256 from the manifest, its dtype and shape from the safetensors headers. A snapshot
+    tensor's checksum from the manifest, its dtype and shape from the safetensors headers. A snapshot
     rewritten since it was registered (a tensor's bytes, or its dtype or shape, in the header and the
     manifest alike) gives another digest. SnapshotError without a manifest."""
     path = Path(model_path)
@@ -105,14 +127,15 @@ def disk_digest(model_path: str | Path) -> str:
             if isinstance(info, dict):
                 shapes[name] = (str(info.get("dtype")), list(info.get("shape") or []))
     entries = {}
-    for name, sha in raw["tensors"].items():
+    for name, checksum in raw["tensors"].items():
         dtype, shape = shapes.get(name, ("missing", []))
-        entries[name] = {"dtype": dtype, "shape": shape, "sha256": sha}
+        entries[name] = {"dtype": dtype, "shape": shape, "checksum": checksum}
     return manifest_digest(entries)
 
 
-def _read(file: Path, digests: dict[str, TensorInfo]) -> tuple[int, int]:
-    """Check one file's tensors; record each tensor's dtype, shape and sha256 in `digests`."""
+def _read(file: Path, digests: dict[str, TensorInfo], like: dict[str, Any]) -> tuple[int, int]:
+    """Check one file's tensors; record each tensor's dtype, shape and checksum in `digests` (of the
+    kind the manifest's entry `like[name]` is)."""
     with file.open("rb") as f:
         header, n = _header(f, file)
         base = 8 + n
@@ -138,20 +161,24 @@ def _read(file: Path, digests: dict[str, TensorInfo]) -> tuple[int, int]:
             f.seek(base + begin)
             if name in digests:
                 raise SnapshotError(f"tensor {name} ({file.name}): also in another file of the snapshot")
-            digests[name] = TensorInfo(dtype, tuple(shape), _sha256(f, end - begin))
+            want = like.get(name)
+            digests[name] = TensorInfo(dtype, tuple(shape), _checksum(f, end - begin, want if isinstance(want, str)
+                                                                      else None))
             total += expected
         return len(header), total
 
 
-def _sha256(f: Any, n: int, chunk: int = 16 * 1024 * 1024) -> str:
-    h = hashlib.sha256()
+def _checksum(f: Any, n: int, like: str | None) -> str:
+    """`tensor_checksum` of the next n bytes of `f`, read in chunks."""
+    sha = like is not None and not like.startswith(BLAKE3)
+    h = hashlib.sha256() if sha else blake3.blake3()
     while n > 0:
-        block = f.read(min(chunk, n))
+        block = f.read(min(_CHUNK, n))
         if not block:
             break
         h.update(block)
         n -= len(block)
-    return h.hexdigest()
+    return h.hexdigest() if sha else BLAKE3 + h.hexdigest()
 
 
 def manifest_path(model_path: str | Path) -> Path:
@@ -177,12 +204,12 @@ def load_snapshot(model_path: str) -> Snapshot:
     """Read every tensor of the snapshot at `model_path` and check it against its manifest, if any."""
     path = Path(model_path)
     files = _files(path)
+    raw = read_manifest(path)
     digests: dict[str, TensorInfo] = {}
     tensors = nbytes = 0
     for file in files:
-        t, b = _read(file, digests)
+        t, b = _read(file, digests, raw["tensors"] if raw is not None else {})
         tensors, nbytes = tensors + t, nbytes + b
-    raw = read_manifest(path)
     checked = 0
     if raw is not None:
         meta = raw.get("meta") if isinstance(raw.get("meta"), dict) else {}
@@ -197,15 +224,15 @@ def load_snapshot(model_path: str) -> Snapshot:
                 raise SnapshotError(f"tensor {name}: dtype {got.dtype}, manifest {want['dtype']}")
             if want.get("shape") not in (None, list(got.shape)):
                 raise SnapshotError(f"tensor {name}: shape {list(got.shape)}, manifest {want['shape']}")
-            if got.sha256 != digest:
-                raise SnapshotError(f"tensor {name}: checksum mismatch (sha256 {got.sha256[:12]}..., "
-                                    f"manifest {str(digest)[:12]}...)")
+            if got.checksum != digest:
+                raise SnapshotError(f"tensor {name}: checksum mismatch ({got.checksum[:19]}..., "
+                                    f"manifest {str(digest)[:19]}...)")
             checked += 1
     return Snapshot(str(path), tuple(f.name for f in files), tensors, nbytes, checked, digests)
 
 
 def manifest_digest(manifest: dict[str, dict[str, Any]]) -> str:
-    """One sha256 over every tensor's name, dtype, shape and sha256 (sorted by name): what a server
+    """One sha256 over every tensor's name, dtype, shape and checksum (sorted by name): what a server
     that loaded the snapshot reports as its `weights_checksum`, and what a sync compares with the
     registered manifest. The dtype and shape count: the same bytes read as another tensor are other
     weights."""
@@ -213,7 +240,7 @@ def manifest_digest(manifest: dict[str, dict[str, Any]]) -> str:
     for name in sorted(manifest):
         entry = manifest[name]
         shape = "x".join(str(int(d)) for d in entry["shape"])
-        h.update(f"{name}={entry['dtype']}[{shape}]:{entry['sha256']}\n".encode())
+        h.update(f"{name}={entry['dtype']}[{shape}]:{entry_checksum(entry)}\n".encode())
     return h.hexdigest()
 
 
@@ -232,7 +259,7 @@ def write_snapshot(directory: str | Path, tensors: dict[str, bytes], dtype: str 
     with (out / "model.safetensors").open("wb") as f:
         f.write(struct.pack("<Q", len(blob)) + blob + b"".join(tensors.values()))
     if manifest:
-        sums = {name: hashlib.sha256(data).hexdigest() for name, data in tensors.items()}
+        sums = {name: tensor_checksum(data) for name, data in tensors.items()}
         (out / MANIFEST).write_text(json.dumps({"tensors": sums}, indent=1))
     return out
 
@@ -283,7 +310,7 @@ def copy_model_files(model_dir: str | Path, directory: str | Path) -> list[str]:
 def write_state_dict(directory: str | Path, state_dict: dict[str, Any], *, version: int | None = None,
                      file_name: str = "model.safetensors", model_dir: str | Path | None = None) -> Snapshot:
     """Write a torch state dict (or a dict of numpy arrays) as a snapshot (one safetensors file and its
-    manifest with dtypes, shapes and sha256 per tensor); the manifest is written last, so a reader never
+    manifest with dtypes, shapes and checksums per tensor); the manifest is written last, so a reader never
     sees it before the data. `model_dir`: a Hugging Face model folder whose config and tokenizer files
     are copied beside the weights, so that SGLang loads the snapshot as a model."""
     out = Path(directory)
@@ -297,7 +324,7 @@ def write_state_dict(directory: str | Path, state_dict: dict[str, Any], *, versi
     for name, tensor in state_dict.items():
         dtype, shape, data = tensor_bytes(tensor)
         header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + data.nbytes]}
-        info[name] = TensorInfo(dtype, tuple(shape), hashlib.sha256(data).hexdigest())
+        info[name] = TensorInfo(dtype, tuple(shape), tensor_checksum(data))
         blobs.append(data)
         offset += data.nbytes
     if version is not None:
@@ -310,7 +337,7 @@ def write_state_dict(directory: str | Path, state_dict: dict[str, Any], *, versi
         for data in blobs:
             f.write(data)
     tmp.replace(out / file_name)
-    manifest = {"tensors": {n: t.sha256 for n, t in info.items()},
+    manifest = {"tensors": {n: t.checksum for n, t in info.items()},
                 "meta": {n: {"dtype": t.dtype, "shape": list(t.shape)} for n, t in info.items()}}
     if version is not None:
         manifest["weights_version"] = version

@@ -63,7 +63,8 @@ def test_a_training_step_with_nothing_borrowed_starts_at_once_and_ends(cp: Contr
     with transaction(cp.engine) as session:
         snap = session.get(WeightSnapshot, 1, populate_existing=True)
         assert snap.uri == w1 and snap.tensors == 2
-        assert snap.manifest["w.b"] == {"dtype": "F16", "shape": [2, 3], "sha256": snap.manifest["w.b"]["sha256"]}
+        assert snap.manifest["w.b"] == {"dtype": "F16", "shape": [2, 3], "checksum": snap.manifest["w.b"]["checksum"]}
+        assert snap.manifest["w.b"]["checksum"].startswith("blake3:")
 
 
 @pytest.mark.parametrize(("events", "message"), [

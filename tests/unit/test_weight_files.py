@@ -1,5 +1,5 @@
 """Weight snapshots on disk: written from a torch state dict (or numpy arrays) with a manifest of
-dtype, shape and sha256 per tensor, and checked against it, a mismatch refused naming the tensor."""
+dtype, shape and checksum per tensor, and checked against it, a mismatch refused naming the tensor."""
 
 from __future__ import annotations
 
@@ -68,8 +68,8 @@ def test_the_broadcast_layout_packs_tensors_into_buckets_with_the_registered_che
     buckets = layout(state, bucket_bytes=9000)
     assert [len(b.names) for b in buckets] == [2, 2, 1] and [b.nbytes for b in buckets] == [8000, 8000, 4000]
     assert all(b.dtypes == ["float32"] * len(b.names) and b.shapes == [[1000]] * len(b.names) for b in buckets)
-    sent = {n: sha for b in buckets for n, sha in zip(b.names, b.sha256, strict=True)}
-    assert sent == {n: i.sha256 for n, i in snap.info.items()}
+    sent = {n: sha for b in buckets for n, sha in zip(b.names, b.checksums, strict=True)}
+    assert sent == {n: i.checksum for n, i in snap.info.items()}
     assert manifest_digest(snap.manifest()) == expected_checksum(buckets)
 
 
@@ -107,3 +107,61 @@ def test_a_relative_snapshot_path_is_registered_absolute(tmp_path: Path, monkeyp
     monkeypatch.chdir(tmp_path)
     assert absolute_uri("ckpt/v1") == str(tmp_path / "ckpt" / "v1")
     assert absolute_uri("file:///shared/ckpt/v1") == "file:///shared/ckpt/v1"
+
+
+def test_checksums_are_blake3_and_a_flipped_byte_is_refused_naming_the_tensor(tmp_path: Path) -> None:
+    import blake3
+
+    path = _numpy_snapshot(tmp_path / "s")
+    manifest = json.loads((path / "manifest.json").read_text())
+    a = np.arange(6, dtype=np.float32).tobytes()
+    assert manifest["tensors"]["a"] == "blake3:" + blake3.blake3(a).hexdigest()
+    data = bytearray((path / "model.safetensors").read_bytes())
+    data[data.index(a) + 5] ^= 0x01  # one bit of tensor a
+    (path / "model.safetensors").write_bytes(bytes(data))
+    with pytest.raises(BadInput, match="snapshot: tensor a: checksum mismatch"):
+        check_snapshot(str(path))
+
+
+def test_a_snapshot_with_sha256_checksums_is_still_checked_and_digested_as_it_was_registered(tmp_path: Path) -> None:
+    """Snapshots (and their registrations) from before BLAKE3: a bare SHA-256 hex digest per tensor."""
+    import hashlib
+
+    from pearl.controlplane.weights.files import disk_digest
+
+    path = _numpy_snapshot(tmp_path / "s")
+    tensors = {"a": np.arange(6, dtype=np.float32).tobytes(), "b": np.ones(4, dtype=np.float16).tobytes()}
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["tensors"] = {n: hashlib.sha256(b).hexdigest() for n, b in tensors.items()}
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    snap = load_snapshot(str(path))
+    assert snap.checked == 2 and snap.info["a"].checksum == manifest["tensors"]["a"]
+    # the digest a registration of then holds (entries keyed `sha256`) is the one a server reports now
+    then = {n: {"dtype": e["dtype"], "shape": e["shape"], "sha256": manifest["tensors"][n]}
+            for n, e in manifest["meta"].items()}
+    assert manifest_digest(then) == manifest_digest(snap.manifest()) == disk_digest(path)
+    manifest["tensors"]["b"] = hashlib.sha256(b"other").hexdigest()
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(BadInput, match="snapshot: tensor b: checksum mismatch"):
+        check_snapshot(str(path))
+
+
+def test_packing_reuses_two_buffers_and_each_bucket_holds_its_own_bytes_when_sent() -> None:
+    pytest.importorskip("torch")
+    from pearl.controlplane.weights.broadcast import ReceiveBuffers, packed
+
+    state = {f"t{i}": np.full(1000, i, dtype=np.float32) for i in range(7)}  # buckets of 2, 2, 2, 1 tensors
+    buckets = layout(state, bucket_bytes=9000)
+    spare: list = []
+    for _ in range(2):  # a second version packs into the same two buffers
+        sent = []
+        for bucket, buf in zip(buckets, packed(buckets, spare), strict=True):
+            assert bytes(buf.numpy()) == b"".join(bytes(d) for d in bucket.data)  # as the collective reads it
+            sent.append(buf.data_ptr() if len(bucket.data) > 1 else None)
+        assert sent[0] == sent[2] != sent[1] and sent[3] is None  # in turn; one tensor goes from its memory
+        assert {t.data_ptr() for t in spare} == set(sent[:2])
+    pool = ReceiveBuffers(keep=1)
+    a = pool.take(100)
+    view = memoryview(a)
+    pool.give([("t", "uint8", [100], view[:100])])
+    assert pool.take(50) is a and pool.take(50) is not a  # given back once, taken once
