@@ -48,7 +48,7 @@ from pearl.controlplane.store import agent_registry, plan_store, reaper, step_ef
 from pearl.controlplane.store.db import transaction
 from pearl.controlplane.store.notifications import listen, step_channel
 from pearl.controlplane.store.queries import query
-from pearl.controlplane.store.transitions import lock_fleet
+from pearl.controlplane.store.transitions import lock_node
 
 log = logging.getLogger("pearl.agent")
 THREAD_JOIN_S = 15.0  # at shutdown, how long the listener and a watch pass in progress may take to end
@@ -319,7 +319,7 @@ class Agent:
         stopped applying."""
         try:
             with transaction(self.engine, actor=f"agent {self.config.node}") as session:
-                lock_fleet(session)  # the order every writer takes (the reaper: fleet, step, plan)
+                lock_node(session, step["node_id"])  # as a report: the node, then the step
                 row = session.execute(query("hand_back_step"), {"step_id": step["id"], "fence": step["fence"]}).first()
             stopped = row is not None and row.status != StepStatus.READY.value
             log.info("%s handed back%s", step["key"], " (its plan stopped: cancelled)" if stopped else "",

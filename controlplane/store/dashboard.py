@@ -121,7 +121,7 @@ def _plan(session: Session) -> dict[str, Any] | None:
 
 def dashboard_state(session: Session) -> dict[str, Any]:
     head = session.execute(text(
-        "SELECT f.state_version, f.model, f.gpu, f.tp, pearl_now() AS read_at, "
+        "SELECT pearl_state_version() AS state_version, f.model, f.gpu, f.tp, pearl_now() AS read_at, "
         "(SELECT mode FROM routers WHERE name = 'default') AS mode FROM fleet f WHERE f.id = 1")).mappings().first()
     nodes: dict[str, dict[str, Any]] = {}
     for g in _rows(session, _GPUS):

@@ -10,7 +10,7 @@ import os
 import re
 import threading
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -207,19 +207,27 @@ def check_connection(engine: Engine) -> None:
 
 @contextlib.contextmanager
 def transaction(
-    engine: Engine, actor: str | None = None, reason: str | None = None, *, isolation_level: str | None = None
+    engine: Engine, actor: str | None = None, reason: str | None = None, *, isolation_level: str | None = None,
+    whole_fleet: bool = False,
 ) -> Iterator[Session]:
     """A session in one transaction: committed on success, rolled back on error, errors translated.
 
     `actor` and `reason` go to every event the transaction writes (`SET LOCAL pearl.actor`);
-    `isolation_level="REPEATABLE READ"` gives reads one consistent snapshot.
+    `isolation_level="REPEATABLE READ"` gives reads one consistent snapshot. `whole_fleet` takes the
+    fleet first (`transitions.lock_fleet`), before the snapshot: with REPEATABLE READ, the rows read are
+    exactly the fleet at its `state_version` (what a decision plans against).
     """
     bind = engine.execution_options(isolation_level=isolation_level) if isolation_level else engine
     session = Session(bind, expire_on_commit=False)
     try:
         with session.begin():
+            if whole_fleet:
+                from pearl.controlplane.store.transitions import lock_fleet  # it imports the schema
+
+                lock_fleet(session)
             set_actor(session, actor, reason)
             yield session
+        hooks = session.info.pop(AFTER_COMMIT, ())
     except DBAPIError as exc:
         count_error(exc)
         mapped = translate(exc, engine)
@@ -228,6 +236,17 @@ def transaction(
         raise mapped from exc
     finally:
         session.close()
+    for hook in hooks:
+        hook(engine)
+
+
+AFTER_COMMIT = "pearl_after_commit"
+
+
+def after_commit(session: Session, hook: Callable[[Engine], None]) -> None:
+    """Run `hook(engine)` once the transaction `session` belongs to (one of `transaction`'s) has
+    committed, outside it; never if it rolls back."""
+    session.info.setdefault(AFTER_COMMIT, []).append(hook)
 
 
 def set_actor(session: Session, actor: str | None, reason: str | None = None) -> None:

@@ -25,6 +25,7 @@ from pearl.controlplane.store.db import transaction
 from pearl.controlplane.store.schema import GPU, Agent, Fleet, Lease, Node, Plan, PlanStep, Router, Worker
 from pearl.controlplane.store.snapshot import start_backoffs
 from pearl.controlplane.store.step_effects import trainer_version
+from pearl.controlplane.store.transitions import state_version
 from pearl.controlplane.store.weights import last_sync_states
 from sqlalchemy import Engine, func, or_, select
 from sqlalchemy.orm import Session
@@ -144,7 +145,7 @@ def fleet_status(session: Session) -> dict[str, Any]:
         for lease in session.scalars(select(Lease).where(Lease.returned_at.is_(None)).order_by(Lease.id))
     ]
     return {
-        "state_version": fleet.state_version,
+        "state_version": state_version(session),
         "cluster": {
             "model": fleet.model,
             "gpu": fleet.gpu,

@@ -16,10 +16,10 @@ from typing import Any
 
 from pearl.controlplane.store.db import transaction
 from pearl.controlplane.store.queries import load_queries
-from sqlalchemy import Engine, select, text
+from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
 
-from .schema import Fleet
+from .transitions import state_version
 
 _INVARIANT = re.compile(r"^--\s*invariant:\s*(\d+)\s*$", re.MULTILINE)
 CHECKS_FILE = "checks.sql"
@@ -83,7 +83,7 @@ def inspect(session: Session) -> Report:
     """Every check, in the caller's transaction."""
     found: list[Violation] = []
     defined = checks()
-    version = session.scalar(select(Fleet.state_version).where(Fleet.id == 1)) or 0
+    version = state_version(session)
     for name, (invariant, sql) in defined.items():
         for row in session.execute(text(sql)).mappings():
             found.append(Violation(name, invariant, row["entity"], str(row["entity_id"]), row["detail"]))

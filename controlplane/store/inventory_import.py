@@ -15,6 +15,7 @@ from pearl.controlplane.core.domain import Activity, GPUState, NodeZone, PlanSta
 from pearl.controlplane.core.inventory import Inventory
 from pearl.controlplane.errors import BadInput, PearlError
 from pearl.controlplane.store.schema import GPU, Fleet, Node, Plan, Worker
+from pearl.controlplane.store.transitions import lock_fleet, state_version
 from sqlalchemy import delete, func, select, text
 from sqlalchemy.orm import Session
 
@@ -92,7 +93,7 @@ def import_inventory(session: Session, inventory: Inventory, *, replace: bool = 
     the old nodes with their GPUs, workers, leases and plan steps (the events table keeps their
     history) and is refused (ClusterBusy) while anything is in use.
     """
-    # Serialise importers (and every state writer) on the fleet row.
+    lock_fleet(session)  # importers, and every state writer, out of the way
     fleet = session.execute(select(Fleet).where(Fleet.id == 1).with_for_update()).scalar_one()
     digest = inventory.digest()
     existing_nodes = session.scalar(select(func.count()).select_from(Node)) or 0
@@ -102,7 +103,7 @@ def import_inventory(session: Session, inventory: Inventory, *, replace: bool = 
             existing_nodes,
             inventory.total_gpus,
             session.scalar(select(func.count()).select_from(Worker)) or 0,
-            fleet.state_version,
+            state_version(session),
         )
     outcome: Literal["created", "replaced"] = "created"
     if existing_nodes:
@@ -123,4 +124,4 @@ def import_inventory(session: Session, inventory: Inventory, *, replace: bool = 
     fleet.imported_at = session.scalar(text("SELECT now()"))
     session.flush()
     session.refresh(fleet)
-    return ImportResult(outcome, len(inventory.nodes), n_gpus, n_workers, fleet.state_version)
+    return ImportResult(outcome, len(inventory.nodes), n_gpus, n_workers, state_version(session))

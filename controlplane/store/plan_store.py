@@ -22,18 +22,24 @@ claim expires), and a cleanup plan, applied in the same transaction, drains and 
 worker the failed plan left between states (a member of an expansion group not fully admitted gives
 its GPUs back, even if already admitted). A cleanup plan that fails writes no further cleanup.
 
-Concurrency. Every writer takes the fleet row first (`transitions.lock_fleet`), then the plan row,
-then steps: reports, applies, aborts and the reaper are serialised and cannot deadlock. Claims take
-no fleet lock; they skip rows that are locked (`SKIP LOCKED`), so a claim never waits. They read the
-plan row under a key-share lock: a report holds it FOR NO KEY UPDATE, which claims pass (the agents
-of other nodes keep claiming while a step is reported), and failing a plan takes it FOR UPDATE, which
-claims skip, so a claim never takes a step of a plan being failed. Every change of plans and
-plan_steps is written to `events` by triggers (invariant 5).
+Concurrency. Whole-fleet writers (applies, aborts, amendments, failures, the reaper) take the whole
+fleet first (`transitions.lock_fleet`), then the plan row, then steps. A report that succeeds (or is
+cancelled) and the effect it lands with take only the step's node (`transitions.lock_node`, in
+`step_effects.claimed_step`), then the step, then the dependents they release: reports of different
+nodes run at once, and none runs beside a whole-fleet writer, so a plan cannot fail under a report.
+The plan row is locked by a report only to finish the plan (`_finish_if_done`); a report of the
+plan's tail also concludes after its commit (`conclude`), so of the last reports at once, which see
+each other's steps still running, one finishes it. Claims take no fleet lock; they skip rows that
+are locked (`SKIP LOCKED`), so a claim never waits. They read the plan row under a key-share lock,
+which a report finishing the plan (FOR NO KEY UPDATE) passes, and failing a plan takes it FOR
+UPDATE, which claims skip, so a claim never takes a step of a plan being failed. Every change of
+plans and plan_steps is written to `events` by triggers (invariant 5).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import numbers
 import time
@@ -47,14 +53,16 @@ from pearl.controlplane.core import fleet
 from pearl.controlplane.core.domain import Activity, PlanStatus, StepAction, StepStatus
 from pearl.controlplane.errors import BadInput, PearlError, StalePlan
 from pearl.controlplane.store import signals, step_effects
-from pearl.controlplane.store.db import transaction
+from pearl.controlplane.store.db import after_commit, transaction
 from pearl.controlplane.store.queries import query
 from pearl.controlplane.store.schema import Decision, Node, PlanStepDep, Worker
 from pearl.controlplane.store.schema import Plan as PlanRow
 from pearl.controlplane.store.schema import PlanStep as StepRow
-from pearl.controlplane.store.transitions import lock_fleet
+from pearl.controlplane.store.transitions import lock_fleet, lock_node
 from sqlalchemy import Engine, func, select, text, update
 from sqlalchemy.orm import Session
+
+log = logging.getLogger("pearl.plans")
 
 UNFINISHED = (StepStatus.BLOCKED, StepStatus.READY)  # cancelled when the plan fails (running ones stop)
 # Steps that keep an applying plan from succeeding (a step cancelled by `amend_release` does not: the
@@ -333,13 +341,20 @@ def _dependents_free(session: Session, step_id: int) -> list[int]:
 
 
 def _finish_if_done(session: Session, plan: PlanRow) -> bool:
-    """An applying plan with no step left unfinished succeeds (an index probe, not a scan)."""
-    left = session.scalar(select(StepRow.id).where(StepRow.plan_id == plan.id, StepRow.status.in_(NOT_DONE)).limit(1))
-    if left is None and plan.status is PlanStatus.APPLYING:
-        plan.status, plan.finished_at = PlanStatus.SUCCEEDED, func.now()
-        session.flush()
-        return True
-    return False
+    """An applying plan with no step left unfinished succeeds (an index probe, not a scan). The plan
+    row is locked only then, and the probe made again under it: of two reports finishing it at once,
+    the second waits and then sees it finished."""
+    def left() -> bool:
+        return session.scalar(select(StepRow.id).where(StepRow.plan_id == plan.id, StepRow.status.in_(NOT_DONE))
+                              .limit(1)) is not None
+
+    if plan.status is not PlanStatus.APPLYING or left():
+        return False
+    if _locked_plan(session, plan.id).status is not PlanStatus.APPLYING or left():
+        return False
+    plan.status, plan.finished_at = PlanStatus.SUCCEEDED, func.now()
+    session.flush()
+    return True
 
 
 def _locked_plan(session: Session, plan_id: int) -> PlanRow:
@@ -377,9 +392,12 @@ def finish_step(
     """
     if status not in (StepStatus.SUCCEEDED, StepStatus.FAILED, StepStatus.CANCELLED):
         raise BadInput(f"status: a step finishes succeeded, failed or cancelled, not {status}")
-    lock_fleet(session)
+    if status is StepStatus.FAILED:
+        lock_fleet(session)  # it fails the plan: the whole fleet (else only the step's node, in claimed_step)
     step = step_effects.claimed_step(session, step_id, fence, applying=status is StepStatus.SUCCEEDED)
-    plan = _locked_plan(session, step.plan_id)
+    plan = (_locked_plan(session, step.plan_id) if status is StepStatus.FAILED
+            else session.get(PlanRow, step.plan_id, populate_existing=True))  # it cannot fail meanwhile
+    assert plan is not None
     if status is StepStatus.CANCELLED and plan.status is PlanStatus.APPLYING:
         raise BadInput(f"status: step {step.key} cannot be cancelled while plan {plan.id} applies; report it "
                        "failed")
@@ -397,14 +415,34 @@ def finish_step(
     if status is StepStatus.CANCELLED:
         return PlanProgress(plan.id, plan.status)
     readied = _settle(session, _dependents_free(session, step_id))
-    _finish_if_done(session, plan)
+    if not _finish_if_done(session, plan) and plan.status is PlanStatus.APPLYING and not session.scalar(
+            select(StepRow.id).where(StepRow.plan_id == plan.id, StepRow.status.in_(UNFINISHED)).limit(1)):
+        after_commit(session, lambda engine: conclude(engine, plan.id, step.node_id))
     return PlanProgress(plan.id, plan.status, readied=tuple(readied))
+
+
+def conclude(engine: Engine, plan_id: int, node_id: int) -> bool:
+    """After a report of the plan's tail committed (no step left blocked or ready, some still running
+    or being reported): the plan succeeds if no step is left. Reports of different nodes run at once,
+    so the last two may each see the other's step still running inside their transactions; each then
+    concludes after its commit, waiting for the reports in flight (their steps' row locks), and the
+    later one sees both. A conclusion that does not happen (the process died, the database was away)
+    is the reaper's (`reconcile`). Whether the plan succeeded here."""
+    try:
+        with transaction(engine, reason=f"conclude plan {plan_id}") as session:
+            lock_node(session, node_id)  # no plan amended or failed meanwhile
+            session.execute(select(StepRow.id).where(StepRow.plan_id == plan_id, StepRow.status.in_(NOT_DONE))
+                            .order_by(StepRow.id).with_for_update())  # waits for the reports in flight
+            plan = session.get(PlanRow, plan_id, populate_existing=True)
+            return plan is not None and plan.status is PlanStatus.APPLYING and _finish_if_done(session, plan)
+    except PearlError as exc:
+        log.warning("plan %s: not concluded (%s); the reaper will", plan_id, exc)
+        return False
 
 
 def complete_step(session: Session, step_id: int, fence: int, **effect: Any) -> PlanProgress:
     """The end of the step's effect (`step_effects.end`, e.g. `endpoint=` for a start) and its
     success, in the caller's transaction: both land, or neither."""
-    lock_fleet(session)
     step = step_effects.claimed_step(session, step_id, fence)
     step_effects.end(session, step, **effect)
     return finish_step(session, step_id, fence, StepStatus.SUCCEEDED)
@@ -547,6 +585,7 @@ def amend_release(session: Session, plan_id: int, workers: set[int], reason: str
         free = session.scalars(select(StepRow.id).where(
             StepRow.plan_id == plan_id, StepRow.status == StepStatus.BLOCKED, StepRow.pending == 0)).all()
         _settle(session, list(free))
+    _finish_if_done(session, plan)  # what it cancelled may have been all that was left
     signals.start_training_if_returned(session)  # a training step waiting for a cancelled start begins
     return Amendment(plan_id, tuple(sorted(r[0] for r in rows)), tuple(sorted(cancelled)),
                      tuple(s.key for s in added))

@@ -32,6 +32,7 @@ from sqlalchemy import (
     BigInteger,
     Boolean,
     CheckConstraint,
+    Column,
     DateTime,
     Double,
     Enum,
@@ -42,6 +43,7 @@ from sqlalchemy import (
     MetaData,
     Sequence,
     SmallInteger,
+    Table,
     Text,
     UniqueConstraint,
     text,
@@ -86,15 +88,20 @@ class Base(DeclarativeBase):
 STEP_FENCE = Sequence("plan_step_fence", metadata=Base.metadata)
 
 
+FLEET_LOCK_COMMENT = ("never a row: its table lock is the fleet lock (EXCLUSIVE: the whole fleet; "
+                      "ROW EXCLUSIVE: a node-scoped writer)")
+# `transitions.lock_fleet` / `lock_node` (migration 0014): LOCK TABLE takes no snapshot, so it can come first
+fleet_lock = Table("fleet_lock", Base.metadata, Column("nothing", Boolean), comment=FLEET_LOCK_COMMENT)
+
+
 class Fleet(Base):
-    """One row: the fleet's `state_version` and the inventory it was imported from."""
+    """One row: the inventory the fleet was imported from. (Its `state_version` is the sequence
+    `fleet_versions`, read with `pearl_state_version()`: `transitions.state_version`.)"""
 
     __tablename__ = "fleet"
     __table_args__ = (CheckConstraint("id = 1", name="single_row"),)
 
     id: Mapped[int] = mapped_column(SmallInteger, primary_key=True, server_default=text("1"), autoincrement=False)
-    # Bumped by trigger on every change to gpus, workers, leases and training_steps, in the same transaction.
-    state_version: Mapped[int] = mapped_column(BigInteger, server_default=text("0"))
     inventory_hash: Mapped[str | None] = mapped_column(Text)  # sha256 of the canonical inventory
     inventory: Mapped[dict[str, Any] | None] = mapped_column(JSONB)  # as imported, canonical form
     model: Mapped[str | None] = mapped_column(Text)

@@ -50,7 +50,7 @@ from pearl.controlplane.store.schema import (
     TrainingStep,
     Worker,
 )
-from pearl.controlplane.store.transitions import lock_fleet, set_gpu_states
+from pearl.controlplane.store.transitions import hold, lock_fleet, set_gpu_states
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
@@ -107,10 +107,12 @@ def borrowed_gpus(session: Session) -> tuple[int, ...]:
 def start_training_if_returned(session: Session) -> int | None:
     """Start the requested training step once no training GPU is borrowed or draining; its step number.
     The agent whose release returned the last borrowed GPU starts it, through the owner's function
-    (`pearl_start_training_if_returned`, 0012): no agent writes GPUs of another node itself. It does
-    not start while an applying plan is still to start a server on the training GPUs (a start of an
-    overlap worker not yet finished): that start would find them training and fail its plan."""
-    lock_fleet(session)
+    (`pearl_start_training_if_returned`, 0012; under a lock of its own since 0014, taken after the
+    caller's writes, so of two releases at once the later sees the earlier's GPUs): no agent writes GPUs
+    of another node itself. It does not start while an applying plan is still to start a server on the
+    training GPUs (a start of an overlap worker not yet finished): that start would find them training
+    and fail its plan."""
+    hold(session)
     if borrowing_under_way(session):
         return None
     started = session.scalar(select(func.pearl_start_training_if_returned()))

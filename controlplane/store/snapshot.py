@@ -13,6 +13,7 @@ from datetime import datetime, timedelta
 
 from pearl.controlplane.core.domain import Activity, GPUState, LeaseKind, StepAction, StepStatus, WorkerZone
 from pearl.controlplane.core.fleet import FleetSnapshot, WorkerSlot
+from pearl.controlplane.store import transitions
 from pearl.controlplane.store.schema import GPU, Agent, Fleet, Lease, Node, Plan, PlanStep, Worker
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
@@ -94,8 +95,12 @@ def start_backoffs(session: Session) -> dict[int, datetime]:
 def load_snapshot(session: Session) -> FleetSnapshot:
     """Every worker slot at the current `state_version`, read in the session's transaction.
 
-    Use a REPEATABLE READ transaction (or hold the fleet row) when the version must match the rows.
+    The version matches the rows only when the transaction holds the whole fleet, taken first
+    (`transaction(..., whole_fleet=True)`; REPEATABLE READ for reads beside it that should agree):
+    what a plan is computed against. Otherwise it is the last version taken, which a writer still
+    in flight may hold.
     """
+    version = transitions.state_version(session)
     fleet = session.execute(select(Fleet).where(Fleet.id == 1)).scalar_one()
     gpus_by_slot: dict[int, list[GPU]] = defaultdict(list)
     for gpu in session.scalars(select(GPU).order_by(GPU.slot_id, GPU.device_index)):
@@ -121,4 +126,4 @@ def load_snapshot(session: Session) -> FleetSnapshot:
                 warm=worker.zone is not WorkerZone.OVERLAP or worker.id in launched,
             )
         )
-    return FleetSnapshot(state_version=fleet.state_version, workers=tuple(slots), tp=fleet.tp or 1)
+    return FleetSnapshot(state_version=version, workers=tuple(slots), tp=fleet.tp or 1)

@@ -33,7 +33,7 @@ from pearl.controlplane.core.domain import Activity, GPUState, PlanStatus, Role,
 from pearl.controlplane.errors import BadInput, ClaimLost, PearlError
 from pearl.controlplane.store import signals, transitions
 from pearl.controlplane.store.queries import query
-from pearl.controlplane.store.schema import GPU, Router, TrainingStep, Worker
+from pearl.controlplane.store.schema import GPU, PlanStep, Router, TrainingStep, Worker
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
@@ -63,9 +63,13 @@ class ClaimedStep:
 
 def claimed_step(session: Session, step_id: int, fence: int, *, applying: bool = True) -> ClaimedStep:
     """Lock the step for this transaction; raise ClaimLost unless it runs under `fence`, and
-    PlanStopped when `applying` is asked and its plan no longer applies. Takes the fleet row first,
-    as every writer does (then the step, then the plan: no deadlock with a report or an abort)."""
-    transitions.lock_fleet(session)
+    PlanStopped when `applying` is asked and its plan no longer applies. Takes the step's node first
+    (`transitions.lock_node`; a transaction holding the whole fleet keeps it), then the step: a plan
+    fails only under the whole fleet, so it cannot fail before this transaction ends."""
+    node = session.scalar(select(PlanStep.node_id).where(PlanStep.id == step_id))
+    if node is None:
+        raise ClaimLost(f"step {step_id} does not exist")
+    transitions.lock_node(session, node)
     row = session.execute(query("claimed_step"), {"step_id": step_id, "fence": fence}).mappings().first()
     if row is None:
         raise ClaimLost(f"step {step_id} is not running under fence {fence}: the claim expired or was taken over")
@@ -102,7 +106,7 @@ def trainer_version(session: Session) -> int:
 
 def begin(session: Session, step: ClaimedStep) -> None:
     """The part of the step's effect written before the server is touched (idempotent)."""
-    transitions.lock_fleet(session)
+    transitions.hold(session)
     w = _worker(session, step.worker_id)
     if step.action is StepAction.DRAIN:
         if w.activity is Activity.ACTIVE:
@@ -128,7 +132,7 @@ def begin(session: Session, step: ClaimedStep) -> None:
 def end(session: Session, step: ClaimedStep, *, endpoint: str | None = None,
         weights_version: int | None = None, cold: bool = False) -> None:
     """The rest of the step's effect, written with its report (idempotent)."""
-    transitions.lock_fleet(session)
+    transitions.hold(session)
     w = _worker(session, step.worker_id)
     a = step.action
     if a is StepAction.RELEASE:

@@ -24,23 +24,65 @@ class StateConflict(PearlError):
     """The state moved on: a compare-and-set found something other than it expected."""
 
 
-def lock_fleet(session: Session) -> int:
-    """Take the fleet row for the rest of the transaction and return the current `state_version`.
+SCOPE = "pearl_fleet_scope"  # session.info: (transaction, None for the whole fleet or the nodes locked, version)
 
-    Every state writer queues on this row (a trigger takes it at the first write anyway). Taking it
-    first matters under READ COMMITTED: a statement's snapshot is taken before it waits, so a
+
+def lock_fleet(session: Session) -> int:
+    """Take the whole fleet for the rest of the transaction (no other writer in flight, none starts
+    until it ends) and return the current `state_version`: every version up to it is committed, so a
+    plan computed at it is stale exactly when a later version was taken. Whole-fleet writers (applies,
+    aborts, the reaper, signals, imports) and a decision's snapshot take it first.
+
+    Taking it first matters under READ COMMITTED: a statement's snapshot is taken before it waits, so a
     compare-and-set that waited inside its own trigger may judge rows by a state already replaced.
     After this call each statement sees the latest committed state.
 
-    Taken once per transaction: a second call in the same transaction returns the version read by the
-    first (writes of this transaction may have moved it since) without a round trip.
+    Taken once per transaction: a second call returns the version read by the first (writes of this
+    transaction may have moved it since) without a round trip. After `lock_node` in the same
+    transaction it takes the whole fleet as well (a report that fails its plan).
     """
     tx = session.get_transaction()
-    if tx is not None and session.info.get("fleet_locked_by") is tx:
-        return session.info["fleet_version"]
-    version = session.execute(select(func.pearl_take_fleet())).scalar_one()  # as the owner: no role writes it
-    session.info["fleet_locked_by"], session.info["fleet_version"] = tx, version
+    held = session.info.get(SCOPE)
+    if held is not None and held[0] is tx and held[1] is None:
+        return held[2]
+    session.execute(text("LOCK TABLE fleet_lock IN EXCLUSIVE MODE"))  # no snapshot: one may follow it
+    version = state_version(session)
+    session.info[SCOPE] = (tx, None, version)
     return version
+
+
+def lock_node(session: Session, node_id: int) -> None:
+    """Take node `node_id` for the rest of the transaction: the writes an agent makes for its node's
+    steps (effects, reports, hand-backs) wait for whole-fleet writers and for the writers of the same
+    node, never for those of other nodes. Within it, change only that node's workers and GPUs (and
+    plan steps of any node); the helpers of this module refuse a worker of another node."""
+    tx = session.get_transaction()
+    held = session.info.get(SCOPE)
+    if held is not None and held[0] is tx and (held[1] is None or node_id in held[1]):
+        return
+    session.execute(select(func.pearl_take_node(node_id)))
+    nodes = held[1] if held is not None and held[0] is tx else frozenset()
+    session.info[SCOPE] = (tx, nodes | {node_id}, None)
+
+
+def hold(session: Session) -> None:
+    """What a state change needs: the lock this transaction already holds (the whole fleet or its
+    nodes), else the whole fleet."""
+    held = session.info.get(SCOPE)
+    if held is None or held[0] is not session.get_transaction():
+        lock_fleet(session)
+
+
+def locked_nodes(session: Session) -> frozenset[int] | None:
+    """The nodes this transaction holds (None: the whole fleet, or no lock yet)."""
+    held = session.info.get(SCOPE)
+    return held[1] if held is not None and held[0] is session.get_transaction() else None
+
+
+def state_version(session: Session) -> int:
+    """The last version taken: exact when this transaction holds the whole fleet (every version up
+    to it is committed, or this transaction's own); otherwise a writer still in flight may hold it."""
+    return int(session.execute(select(func.pearl_state_version())).scalar_one())
 
 
 def gpu_edges(session: Session) -> dict[NodeZone, list[tuple[GPUState, GPUState, str]]]:
@@ -59,12 +101,16 @@ def _worker(session: Session, worker_id: int) -> Worker:
     worker = session.get(Worker, worker_id, populate_existing=True)
     if worker is None:
         raise StateConflict(f"worker {worker_id} does not exist")
+    nodes = locked_nodes(session)
+    if nodes is not None and worker.node_id not in nodes:  # a node-scoped writer stays on its node
+        raise PearlError(f"worker {worker_id} is on node {worker.node_id}, outside this transaction's nodes "
+                         f"{sorted(nodes)}")
     return worker
 
 
 def set_gpu_states(session: Session, gpu_ids: Iterable[int], expected: Iterable[GPUState], new: GPUState) -> None:
     """Move GPUs that no worker holds (training begin/end, grant, revoke, lost) from `expected` to `new`."""
-    lock_fleet(session)
+    hold(session)
     ids = sorted(set(gpu_ids))
     allowed = list(expected)
     changed = (
@@ -86,12 +132,12 @@ def set_gpu_states(session: Session, gpu_ids: Iterable[int], expected: Iterable[
 
 def start_worker(session: Session, worker_id: int, role: Role, *, endpoint: str | None = None) -> Worker:
     """inactive -> transitioning in `role`, taking every GPU of its slot (bound, or borrowed if overlap)."""
-    lock_fleet(session)
+    hold(session)
     worker = _worker(session, worker_id)
-    hold = GPUState.BORROWED if worker.zone is WorkerZone.OVERLAP else GPUState.BOUND
+    held = GPUState.BORROWED if worker.zone is WorkerZone.OVERLAP else GPUState.BOUND
     slot = session.scalars(select(GPU.id).where(GPU.slot_id == worker_id)).all()
     taken = session.scalar(text("SELECT pearl_hold_slot(:w, CAST(:hold AS gpu_state))"),  # GPUs change in functions
-                           {"w": worker_id, "hold": hold.value})
+                           {"w": worker_id, "hold": held.value})
     if not slot or taken != len(slot):
         raise StateConflict(f"worker {worker_id}: {taken} of its {len(slot)} GPU(s) were free to take")
     moved = (
@@ -117,7 +163,7 @@ def admit_worker(session: Session, worker_id: int) -> None:
 
 def begin_release(session: Session, worker_id: int) -> None:
     """active -> transitioning, its GPUs -> draining (the server drains, then releases them)."""
-    lock_fleet(session)
+    hold(session)
     worker = _worker(session, worker_id)
     if worker.activity is Activity.ACTIVE:
         _cas_activity(session, worker_id, Activity.ACTIVE, Activity.TRANSITIONING)
@@ -128,7 +174,7 @@ def begin_release(session: Session, worker_id: int) -> None:
 
 def finish_release(session: Session, worker_id: int) -> None:
     """Its draining GPUs -> free and unheld; the worker -> inactive (an overlap slot's role -> training)."""
-    lock_fleet(session)
+    hold(session)
     worker = _worker(session, worker_id)
     held = session.scalars(select(GPU).where(GPU.worker_id == worker_id)).all()
     not_drained = [g.id for g in held if g.state is not GPUState.DRAINING]
@@ -148,7 +194,7 @@ def set_activity(session: Session, worker_id: int, expected: Activity, new: Acti
 
 def set_role(session: Session, worker_id: int, role: Role) -> None:
     """A new role for a worker that is not serving (a prefill <-> decode flip while transitioning)."""
-    lock_fleet(session)
+    hold(session)
     moved = session.execute(
         update(Worker).where(Worker.id == worker_id, Worker.activity != Activity.ACTIVE).values(role=role)
         .returning(Worker.id).execution_options(synchronize_session=False)
@@ -159,7 +205,7 @@ def set_role(session: Session, worker_id: int, role: Role) -> None:
 
 def set_weights_version(session: Session, worker_id: int, version: int) -> None:
     """The server now runs weights `version`; a worker never goes backwards (an older report is a no-op)."""
-    lock_fleet(session)
+    hold(session)
     session.execute(
         update(Worker).where(Worker.id == worker_id, Worker.weights_version < version).values(weights_version=version)
         .execution_options(synchronize_session=False)
@@ -167,7 +213,7 @@ def set_weights_version(session: Session, worker_id: int, version: int) -> None:
 
 
 def _cas_activity(session: Session, worker_id: int, expected: Activity, new: Activity, **values: object) -> None:
-    lock_fleet(session)
+    hold(session)
     values.setdefault("activity", new)
     moved = (
         session.execute(

@@ -68,11 +68,16 @@ BLAKE3 = "blake3:"
 _CHUNK = 16 * 1024 * 1024
 
 
-def tensor_checksum(data: Any, like: str | None = None) -> str:
-    """A tensor's bytes' checksum: `blake3:<hex>`, or a bare SHA-256 hex digest when `like` is one (a
-    snapshot written before BLAKE3). Both release the GIL while they hash."""
+def _hasher(like: str | None = None) -> tuple[Any, str]:
+    """The hash of a checksum in `like`'s form and its prefix: BLAKE3, or SHA-256 when `like` is a bare
+    SHA-256 hex digest (a snapshot written before BLAKE3). Both release the GIL while they hash."""
     if like is not None and not like.startswith(BLAKE3):
-        return hashlib.sha256(data).hexdigest()
+        return hashlib.sha256(), ""
+    return blake3.blake3(), BLAKE3
+
+
+def tensor_checksum(data: Any) -> str:
+    """A tensor's bytes' checksum: `blake3:<hex>`."""
     return BLAKE3 + blake3.blake3(data).hexdigest()
 
 
@@ -169,16 +174,15 @@ def _read(file: Path, digests: dict[str, TensorInfo], like: dict[str, Any]) -> t
 
 
 def _checksum(f: Any, n: int, like: str | None) -> str:
-    """`tensor_checksum` of the next n bytes of `f`, read in chunks."""
-    sha = like is not None and not like.startswith(BLAKE3)
-    h = hashlib.sha256() if sha else blake3.blake3()
+    """The checksum of the next n bytes of `f` in `like`'s form (`_hasher`), read in chunks."""
+    h, prefix = _hasher(like)
     while n > 0:
         block = f.read(min(_CHUNK, n))
         if not block:
             break
         h.update(block)
         n -= len(block)
-    return h.hexdigest() if sha else BLAKE3 + h.hexdigest()
+    return prefix + h.hexdigest()
 
 
 def manifest_path(model_path: str | Path) -> Path:

@@ -373,7 +373,7 @@ def plan(engine: Engine, *, dry_run: bool = False, event: str = "plan", actor: s
     """One pass of the policy engine (module docstring); with `dry_run` nothing is written. Without
     `record_unchanged` a pass that changes nothing writes no decision row (only the policy's memory,
     when it changed): the loop decides on every signal, and `decisions` keeps the switches."""
-    with transaction(engine, isolation_level="REPEATABLE READ") as session:
+    with transaction(engine, isolation_level="REPEATABLE READ", whole_fleet=True) as session:
         planned = decide(session, event=event)
     if dry_run:
         return planned

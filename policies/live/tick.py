@@ -118,7 +118,7 @@ def _pass(engine: Engine, *, holder: str, manual: bool, event: str, lease_s: flo
         return TickResult(False, f"amended plan {applying.id}: {reason}; releasing {list(amended.release)}, "
                                  f"{len(amended.cancelled)} step(s) cancelled", plan=applying.id, applied=True,
                           amended=applying.id, recheck_remaining=planned.target.recheck_remaining)
-    with transaction(engine, isolation_level="REPEATABLE READ") as session:
+    with transaction(engine, isolation_level="REPEATABLE READ", whole_fleet=True) as session:  # the plan's base
         planned = policy_pass.decide(session, event=event)
     key = f"v{planned.snapshot.state_version}:{_digest(planned)}"
     tick_id = _claim_tick(engine, key, holder, lease_s)

@@ -86,7 +86,9 @@ PLANTS: dict[str, Callable[[Session], None]] = {
         REPLICA, "DROP INDEX uq_plan_steps_one_running_per_worker",
         "UPDATE plan_steps SET status = 'running', fence = 1, lease_until = now() WHERE worker_id = 3"),
     "change_without_audit": sql(REPLICA, "UPDATE nodes SET address = '127.0.0.2' WHERE name = 'roll-0'"),
-    "state_version_behind_the_log": sql(REPLICA, "UPDATE fleet SET state_version = 0"),
+    "state_version_behind_the_log": sql(  # an event from a version not taken yet
+        REPLICA, "INSERT INTO events (state_version, entity, entity_id, op) "
+                 "VALUES (pearl_state_version() + 1, 'fleet', '1', 'update')"),
     "group_admitted_despite_a_failure": sql(
         REPLICA, "UPDATE plan_steps SET status = 'failed', error = 'planted' WHERE id = (SELECT min(s.id)"
         " FROM plan_steps s JOIN plan_steps a ON a.plan_id = s.plan_id AND a.worker_id = s.worker_id"

@@ -26,7 +26,7 @@ def counts(database_url: str) -> tuple[int, int, int]:
     engine = create_engine(database_url, poolclass=NullPool)
     with engine.connect() as conn:
         row = conn.execute(text("SELECT (SELECT count(*) FROM nodes), (SELECT count(*) FROM gpus), "
-                                "(SELECT state_version FROM fleet)")).one()
+                                "(SELECT pearl_state_version())")).one()
     engine.dispose()
     return tuple(row)
 

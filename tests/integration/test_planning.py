@@ -186,7 +186,7 @@ def test_a_training_step_moves_the_state_version_and_is_audited(fleet_engine: En
     with transaction(fleet_engine, actor="trainer") as session:
         session.execute(text("UPDATE training_steps SET started_at = now() WHERE step = 7"))
     with fleet_engine.connect() as conn:
-        version = conn.execute(text("SELECT state_version FROM fleet")).scalar_one()
+        version = conn.execute(text("SELECT pearl_state_version()")).scalar_one()
         events = conn.execute(text("SELECT op, entity_id, state_version, actor, reason FROM events "
                                    "WHERE entity = 'training_steps' ORDER BY id")).all()
     assert version == planned.snapshot.state_version + 2
@@ -206,14 +206,13 @@ def test_pearlctl_plan_exits_1_when_the_fleet_moves_while_it_plans(
     from pearl.cli.app import app
     from typer.testing import CliRunner
 
-    decide = policy_pass.decide
+    write = policy_pass.write_planned
 
-    def decide_then_grant(session, **kwargs):  # the provider grants spot-0 while the pass decides
-        out = decide(session, **kwargs)
-        grant_spot(fleet_engine)
-        return out
+    def grant_then_write(engine, planned, **kwargs):  # the provider grants spot-0 once the pass decided
+        grant_spot(fleet_engine)  # (not while it decides: the pass holds the whole fleet then)
+        return write(engine, planned, **kwargs)
 
-    monkeypatch.setattr(policy_pass, "decide", decide_then_grant)
+    monkeypatch.setattr(policy_pass, "write_planned", grant_then_write)
     env = {"PEARL_HOME": pearlctl_env["PEARL_HOME"], "PEARL_DATABASE_URL": database_url}
     result = CliRunner().invoke(app, ["plan"], env=env)
     assert result.exit_code == 1, result.stderr

@@ -13,7 +13,7 @@ from pearl.controlplane.errors import BadInput, ClaimLost, IllegalTransition, St
 from pearl.controlplane.store import plan_store
 from pearl.controlplane.store.db import transaction
 from pearl.controlplane.store.queries import query
-from pearl.controlplane.store.schema import GPU, Fleet, Plan, PlanStep
+from pearl.controlplane.store.schema import GPU, Plan, PlanStep
 from pearl.controlplane.store.snapshot import load_snapshot
 from pearl.controlplane.store.transitions import set_gpu_states
 from plan_support import COLOCATED_3, claim_ready, node_id, pin_clock, propose, report, run_plan
@@ -36,7 +36,7 @@ def rows(engine: Engine, plan_id: int) -> tuple[Plan, list[PlanStep]]:
 def fleet_state(engine: Engine) -> tuple[int, list[tuple], list[tuple]]:
     """(state_version, workers, gpus): what a refused apply must leave alone."""
     with engine.connect() as conn:
-        version = conn.execute(select(Fleet.state_version)).scalar_one()
+        version = conn.execute(text("SELECT pearl_state_version()")).scalar_one()
         workers = conn.execute(text("SELECT id, role, activity FROM workers ORDER BY id")).all()
         gpus = conn.execute(text("SELECT id, state, worker_id FROM gpus ORDER BY id")).all()
     return version, workers, gpus

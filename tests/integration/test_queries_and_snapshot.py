@@ -37,7 +37,7 @@ def make_plan(engine: Engine, node: str, n_workers: int | None = None) -> tuple[
         node_id, = session.execute(text("SELECT id FROM nodes WHERE name = :n"), {"n": node}).one()
         workers = session.execute(text("SELECT id FROM workers WHERE node_id = :n ORDER BY slot"),
                                   {"n": node_id}).scalars().all()[:n_workers]
-        version = session.execute(text("SELECT state_version FROM fleet")).scalar_one()
+        version = session.execute(text("SELECT pearl_state_version()")).scalar_one()
         plan = Plan(base_version=version, status=PlanStatus.APPLYING)  # only an applying plan's steps run
         agent = Agent(node_id=node_id, host="test", pid=1)
         session.add_all([plan, agent])
@@ -208,7 +208,7 @@ def test_snapshot_maps_rows_and_availability(cluster_engine: Engine) -> None:
     with transaction(cluster_engine) as session:  # ... then a revocation notice
         session.execute(text("UPDATE leases SET deadline = now() + interval '30 seconds' WHERE returned_at IS NULL"))
         assert {w.id: w.available for w in load_snapshot(session).workers}[spot.id] is False
-        version = session.execute(text("SELECT state_version FROM fleet")).scalar_one()
+        version = session.execute(text("SELECT pearl_state_version()")).scalar_one()
         assert load_snapshot(session).state_version == version
 
 

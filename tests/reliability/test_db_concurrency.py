@@ -10,7 +10,7 @@ from collections.abc import Callable
 import pytest
 from pearl.controlplane.core.domain import Role
 from pearl.controlplane.core.inventory import parse_inventory
-from pearl.controlplane.errors import IllegalTransition
+from pearl.controlplane.errors import DatabaseBusy, IllegalTransition
 from pearl.controlplane.store.db import transaction
 from pearl.controlplane.store.inventory_import import import_inventory
 from pearl.controlplane.store.transitions import StateConflict, begin_release, finish_release, lock_fleet, start_worker
@@ -123,13 +123,20 @@ def _flipper(engine: Engine, first: int, second: int, lock_first: bool) -> Calla
     to_free = text("UPDATE gpus SET state = 'free' WHERE id = :g AND state = 'training'")
 
     def run() -> str:
-        for _ in range(20):
-            with transaction(engine) as session:
+        done = 0
+        while done < 20:
+            try:
+                with transaction(engine) as session:
+                    if lock_first:
+                        lock_fleet(session)
+                    for g in (first, second):
+                        if session.execute(to_training, {"g": g}).rowcount == 0:
+                            session.execute(to_free, {"g": g})
+            except DatabaseBusy:  # a deadlock broken by the database (never with the lock taken first)
                 if lock_first:
-                    lock_fleet(session)
-                for g in (first, second):
-                    if session.execute(to_training, {"g": g}).rowcount == 0:
-                        session.execute(to_free, {"g": g})
+                    raise
+                continue
+            done += 1
         return "done"
 
     return run
@@ -141,9 +148,12 @@ def _two_training_gpus(engine: Engine) -> tuple[int, int]:
     return a, b
 
 
-def test_writers_of_different_gpus_in_opposite_orders_do_not_deadlock(cluster_engine: Engine) -> None:
-    # Without the fleet lock taken first, the trigger still orders the writers (no deadlock), though a
-    # compare-and-set may then see a replaced state and change nothing; so only completion is asserted.
+def test_writers_of_different_gpus_in_opposite_orders_without_a_lock_first_end_in_a_retry_at_worst(
+        cluster_engine: Engine) -> None:
+    # Without the whole fleet or a node taken first (the statement trigger takes only the shared part
+    # of the fleet lock), two writers locking two GPUs in opposite orders may deadlock: the database
+    # breaks it (DatabaseBusy, which the callers retry) and the aborted one wrote nothing; so only
+    # completion is asserted here. Every writer in pearl takes a lock first (the next test).
     a, b = _two_training_gpus(cluster_engine)
     assert in_threads(_flipper(cluster_engine, a, b, False), _flipper(cluster_engine, b, a, False)) == ["done"] * 2
 
@@ -193,9 +203,8 @@ def test_an_importer_killed_mid_transaction_leaves_nothing_behind(database_url: 
         proc.stdout.close()
     with db_engine.connect() as conn:
         assert conn.execute(text("SELECT count(*) FROM nodes")).scalar() == 0
-        assert conn.execute(text("SELECT state_version FROM fleet")).scalar() == 0
-        assert conn.execute(text("SELECT count(*) FROM events")).scalar() == 0
-    # the fleet row it held is free again: a new import goes through
+        assert conn.execute(text("SELECT count(*) FROM events")).scalar() == 0  # (its versions are a gap)
+    # the whole-fleet lock it held is free again: a new import goes through
     with transaction(db_engine) as session:
         assert import_inventory(session, parse_inventory(PAPER)).outcome == "created"
 

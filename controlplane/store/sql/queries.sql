@@ -57,14 +57,15 @@ RETURNING s.id, s.lease_until, p.status AS plan_status;
 
 -- name: claimed_step
 -- The step an effect is written for, locked, only while the caller's claim holds (running under
--- :fence); its plan's row is share-locked, so the plan cannot fail between this check and the commit.
+-- :fence), with its plan's status. Run it holding the step's node (`transitions.lock_node`) or the
+-- whole fleet: a plan fails only under the whole fleet, so not between this check and the commit.
+-- The plan row is not locked: the reports of one plan lock it only to finish it.
 SELECT s.id, s.plan_id, s.key, s.worker_id, s.node_id, s.action, s.args, s.expansion_group, s.fence,
        p.status AS plan_status
 FROM plan_steps s
 JOIN plans p ON p.id = s.plan_id
 WHERE s.id = :step_id AND s.fence = :fence AND s.status = 'running'
-FOR UPDATE OF s
-FOR SHARE OF p;
+FOR UPDATE OF s;
 
 -- name: claim_state
 -- What a command to a server is checked against (agents/steps.py, `StepContext.guard`): whether the
@@ -90,9 +91,9 @@ RETURNING id, plan_id, status;
 -- An agent that stops (SIGTERM) gives back a step it holds, for another claim; the attempt is not
 -- counted (every action is idempotent, so the next claim redoes what is missing). A step whose plan
 -- stopped applying meanwhile (failed, aborted) is cancelled instead, as a rescue would: nothing of
--- that plan may run again, and its cleanup plan takes the worker over. The plan row is share-locked,
--- so a plan failing at this moment is waited for and then seen. Run it after taking the fleet row,
--- as the reaper does (fleet, then step, then plan), so the two never wait on each other.
+-- that plan may run again, and its cleanup plan takes the worker over. Run it holding the step's
+-- node (`transitions.lock_node`): a plan fails only under the whole fleet, so a plan failing at this
+-- moment is waited for and then seen.
 UPDATE plan_steps s
 SET status = CASE WHEN p.status = 'applying' THEN CAST('ready' AS step_status)
                   ELSE CAST('cancelled' AS step_status) END,
@@ -101,7 +102,7 @@ SET status = CASE WHEN p.status = 'applying' THEN CAST('ready' AS step_status)
     error = 'handed back by its agent'
             || CASE WHEN p.status = 'applying' THEN '' ELSE '; its plan is no longer applying' END
 FROM (SELECT p.id, p.status FROM plans p JOIN plan_steps t ON t.plan_id = p.id
-      WHERE t.id = :step_id FOR SHARE OF p) p
+      WHERE t.id = :step_id) p
 WHERE s.id = :step_id AND s.fence = :fence AND s.status = 'running' AND p.id = s.plan_id
 RETURNING s.id, s.status;
 
