@@ -177,6 +177,8 @@ def translate(exc: DBAPIError, engine: Engine | None = None) -> PearlError | Non
         return ClaimLost(diag.message_primary if diag else str(orig))
     if state == BAD_EVENT:
         return BadInput(diag.message_primary if diag else str(orig))
+    if state == "22003":  # numeric_value_out_of_range: a number larger than its column holds
+        return BadInput(f"a number out of the database's range: {(str(orig).strip().splitlines() or ['?'])[0]}")
     if state in TEXT_REFUSED or (state is None and isinstance(exc, DataError)):
         # a NUL or a bad escape in text or JSON, refused by psycopg before sending or by the server
         return BadInput(f"text the database cannot store: {(str(orig).strip().splitlines() or ['?'])[0]}")

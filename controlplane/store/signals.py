@@ -55,6 +55,7 @@ from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
 MAX_NOTICE_S = 7 * 24 * 3600.0
+INT_MAX = 2**31 - 1  # the counts' columns are PostgreSQL integers
 
 
 @dataclass(frozen=True)
@@ -256,12 +257,14 @@ def report_progress(session: Session, step: int, finished: int, batch_size: int 
     """`finished` trajectories of rollout step `step` are done (the first report names the batch size);
     `in_flight`: the trajectories of every batch the rollout runs now (kept as last reported)."""
     _check_step(step)
-    if isinstance(finished, bool) or not isinstance(finished, int) or finished < 0:
-        raise BadInput(f"finished: must be an integer >= 0, got {finished!r}")
-    if in_flight is not None and (isinstance(in_flight, bool) or not isinstance(in_flight, int) or in_flight < 0):
-        raise BadInput(f"in_flight: must be an integer >= 0, got {in_flight!r}")
-    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0):
-        raise BadInput(f"batch_size: must be an integer > 0, got {batch_size!r}")
+    if isinstance(finished, bool) or not isinstance(finished, int) or not 0 <= finished <= INT_MAX:
+        raise BadInput(f"finished: must be an integer between 0 and {INT_MAX}, got {finished!r}")
+    if in_flight is not None and (isinstance(in_flight, bool) or not isinstance(in_flight, int)
+                                  or not 0 <= in_flight <= INT_MAX):
+        raise BadInput(f"in_flight: must be an integer between 0 and {INT_MAX}, got {in_flight!r}")
+    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, int)
+                                   or not 0 < batch_size <= INT_MAX):
+        raise BadInput(f"batch_size: must be an integer between 1 and {INT_MAX}, got {batch_size!r}")
     row = session.get(RolloutProgress, step, with_for_update=True, populate_existing=True)
     if row is None:
         if batch_size is None:

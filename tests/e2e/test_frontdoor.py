@@ -146,8 +146,10 @@ def test_requests_are_held_until_a_worker_serves_and_aborts_are_resubmitted(driv
 
     t = threading.Thread(target=ask)
     t.start()
-    time.sleep(0.5)
-    assert front.state()["held"] == 1  # no worker yet: held, not failed
+    deadline = time.monotonic() + 10  # the request's arrival, on a loaded machine
+    while front.state()["held"] != 1 and time.monotonic() < deadline and t.is_alive():
+        time.sleep(0.05)
+    assert front.state()["held"] == 1 and t.is_alive()  # no worker yet: held, not failed
     first = start(driver, 0, Role.COLOCATED, 1)
     front.register(first.endpoint, Role.COLOCATED)
     client = ServerClient(first.endpoint, fence=1)

@@ -108,6 +108,21 @@ def test_raw_sql_events_are_validated_by_the_database(cp: ControlPlane, sql: str
                 session.execute(text(statement))
 
 
+def test_rollout_progress_counts_beyond_an_integer_column_are_refused_naming_the_field(cp: ControlPlane) -> None:
+    # the fuzzer's find: a batch size of 4,589,975,250 reached the database as a DataError
+    for kwargs, field in (({"batch_size": 2**31}, "batch_size"), ({"batch_size": 8, "in_flight": 2**31}, "in_flight")):
+        with pytest.raises(BadInput, match=f"{field}: must be an integer between"):
+            cp.rollout_progress(0, 0, **kwargs)
+    with pytest.raises(BadInput, match="finished: must be an integer between"):
+        cp.rollout_progress(0, 2**31, batch_size=8)
+    with transaction(cp.engine) as session:
+        assert session.get(RolloutProgress, 0) is None  # nothing written
+    url = cp.engine.url.render_as_string(hide_password=False)
+    res = CliRunner().invoke(app, ["event", "rollout-progress", "--step", "0", "--finished", "0",
+                                   "--batch-size", "4589975250"], env={"PEARL_DATABASE_URL": url})
+    assert res.exit_code == 2 and "batch_size" in res.output
+
+
 def test_rollout_progress_is_the_live_remaining(cp: ControlPlane) -> None:
     with pytest.raises(BadInput, match="batch_size: the first report of rollout step 0 names its batch size"):
         cp.rollout_progress(0, 0)
